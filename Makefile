@@ -1,0 +1,26 @@
+# The two set-up commands: `make demo` and `make test`. Both build .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEMO_OUT ?= demo-rmsnorm
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+# torch==2.13.0 first: with no torch installed, pip would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/normswap convert normswap-demo --to rmsnorm -o $(DEMO_OUT) --overwrite
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

@@ -1,0 +1,3 @@
+from normswap.cli import main
+
+main()

@@ -1,0 +1,119 @@
+"""`normswap` command line: a thin shell over the Python API. Errors are one line and exit 1."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import click
+
+from normswap.errors import NormswapError
+
+
+class _Group(click.Group):
+    """Turns every failure into one line on stderr and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except NormswapError as e:
+            click.echo(f"error: {e}", err=True)
+        except KeyboardInterrupt:
+            click.echo("interrupted: nothing was written", err=True)
+            sys.exit(130)
+        except Exception as e:  # a bug of ours, still reported in one line
+            msg = str(e).splitlines()[0] if str(e) else ""
+            click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        sys.exit(1)
+
+
+def _quiet_libraries() -> None:
+    import warnings
+
+    import transformers
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="normswap")
+def main():
+    """Turn a model's LayerNorms into RMSNorm, verify it, save it."""
+    _quiet_libraries()
+
+
+def _methods() -> list[str]:
+    from normswap.surgery import available_methods
+    return available_methods()
+
+
+DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+                     help="Load the model in this dtype (default: as stored; the demo model: float32).")
+
+
+@main.command()
+@click.argument("src")
+@click.option("--to", "to", type=click.Choice(["rmsnorm", "prmsnorm"]), required=True)
+@click.option("--p", "p", type=float, default=None, help="pRMSNorm fraction of features (default 0.0625).")
+@click.option("--method", type=click.Choice(_methods()), default="naive", show_default=True)
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@DTYPE
+def convert(src, to, p, method, out, overwrite, as_json, dtype):
+    """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
+    from pathlib import Path
+
+    import normswap
+    from normswap.parity import compare
+
+    if Path(out).exists() and not overwrite:
+        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    model, tokenizer = normswap.io.load_model(src, dtype)
+    original = copy.deepcopy(model)
+    report = normswap.convert(model, to=to, method=method, p=p)
+    if not report.converted:
+        msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
+        click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
+        return
+    parity = compare(original, model)
+    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    if as_json:
+        click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out)}))
+    else:
+        click.echo(report.to_table())
+        click.echo(str(parity))
+        click.echo(f"saved to {out}")
+
+
+@main.command()
+@click.argument("src")
+@click.option("--json", "as_json", is_flag=True)
+@DTYPE
+def inspect(src, as_json, dtype):
+    """List the norms in SRC and what `convert` would do with each."""
+    from normswap.io import load_model
+    from normswap.surgery import find_norms
+
+    model, _ = load_model(src, dtype)
+    sites, skipped, rms = find_norms(model)
+    rows = [{"name": s.name, "type": type(s.module).__name__, "width": s.width, "eps": s.eps,
+             "bias_norm": round(s.bias_norm, 6),
+             "action": "to RMSNorm" + (" (naive drops the bias)" if s.bias_norm > 0 else "")} for s in sites]
+    rows += [{"name": n, "type": type(model.get_submodule(n)).__name__, "action": "already RMSNorm: kept"}
+             for n in rms]
+    rows += [{"name": s.name, "type": s.cls, "action": f"skipped: {s.reason}"} for s in skipped]
+    if as_json:
+        click.echo(json.dumps({"model": type(model).__name__, "norms": rows}))
+        return
+    click.echo(f"{type(model).__name__}: {len(sites)} LayerNorm to convert, {len(rms)} RMSNorm, "
+               f"{len(skipped)} skipped")
+    for r in rows:
+        extra = f" width={r['width']} eps={r['eps']:g} |bias|={r['bias_norm']:.4g}" if "width" in r else ""
+        click.echo(f"  {r['name'] or '(root)'}  {r['type']}{extra}  -> {r['action']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""RMSNorm and pRMSNorm modules (Zhang & Sennrich, 2019): thin wrappers over `normswap.ops.rms_norm`."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap import ops
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension, computed in fp32."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = int(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    @property
+    def p(self) -> float | None:
+        return None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x; with `residual`, normalise x + residual and return (y, x + residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual=residual, p=self.p)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class PartialRMSNorm(RMSNorm):
+    """pRMSNorm: the RMS is estimated from the first ceil(p * d) features (paper, section 4)."""
+
+    def __init__(self, normalized_shape: int, p: float = 0.0625, eps: float = 1e-6,
+                 elementwise_affine: bool = True, device=None, dtype=None):
+        ops.partial_width(int(normalized_shape), p)  # validates p
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self._p = float(p)
+
+    @property
+    def p(self) -> float:
+        return self._p
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", p={self._p}"
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """True for ours and for other libraries' RMSNorms (LlamaRMSNorm, T5LayerNorm, nn.RMSNorm...)."""
+    name = type(module).__name__
+    return isinstance(module, (RMSNorm, nn.RMSNorm)) or "RMSNorm" in name or name == "T5LayerNorm"

@@ -1,0 +1,90 @@
+"""`convert`: the one verb that turns a model's LayerNorms into RMSNorm, in place."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.norms import PartialRMSNorm, RMSNorm
+from normswap.ops import partial_width
+from normswap.surgery.methods import get_method
+from normswap.surgery.report import ConversionReport, NormRecord
+from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
+
+TARGETS = ("rmsnorm", "prmsnorm")
+DEFAULT_P = 0.0625
+
+
+def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
+    old = site.module
+    affine = getattr(old, "weight", None) is not None
+    kw = dict(device=old.weight.device, dtype=old.weight.dtype) if affine else {}
+    if to == "prmsnorm":
+        new = PartialRMSNorm(site.width, p=p, eps=site.eps, elementwise_affine=affine, **kw)
+    else:
+        new = RMSNorm(site.width, eps=site.eps, elementwise_affine=affine, **kw)
+    if affine:
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+    new.train(old.training)
+    return new
+
+
+def norm_spec(module: RMSNorm) -> dict:
+    """What `from_pretrained` needs to rebuild a converted norm."""
+    return {"type": "prmsnorm" if isinstance(module, PartialRMSNorm) else "rmsnorm",
+            "width": module.normalized_shape, "eps": module.eps, "p": module.p,
+            "affine": module.elementwise_affine}
+
+
+def _record(model: nn.Module, report: ConversionReport) -> None:
+    """Write what was converted into model.config.normswap (saved with the config)."""
+    config = getattr(model, "config", None)
+    if config is None or not report.converted:
+        return
+    section = dict(getattr(config, "normswap", None) or {"format": 1, "norms": {}, "added_biases": [],
+                                                          "conversions": []})
+    section["norms"] = {**section["norms"],
+                        **{r.name: norm_spec(model.get_submodule(r.name)) for r in report.converted}}
+    section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
+    section["conversions"] = section["conversions"] + [{"to": report.to, "method": report.method,
+                                                        "p": report.p, "norms": report.num_converted}]
+    config.normswap = section
+
+
+def convert(model: nn.Module, to: str = "rmsnorm", method: str = "naive", p: float | None = None,
+            filter_fn: FilterFn | None = None) -> ConversionReport:
+    """Replace every LayerNorm over the last dim of `model` by RMSNorm (or pRMSNorm), in place.
+
+    method: how biases are handled ("naive": dropped, the paper's swap; others register themselves
+    in `normswap.surgery.methods`). filter_fn(module, name) -> bool limits which norms are touched.
+    Running it again on a converted model is a no-op.
+    """
+    if to not in TARGETS:
+        raise NormswapError(f"unknown target '{to}': choose rmsnorm or prmsnorm")
+    if to == "prmsnorm":
+        p = DEFAULT_P if p is None else float(p)
+        try:
+            partial_width(8, p)
+        except ValueError as e:
+            raise NormswapError(str(e)) from None
+    elif p is not None:
+        raise NormswapError("p applies only to --to prmsnorm")
+    method_fn = get_method(method)
+    sites, skipped, rms = find_norms(model, filter_fn)
+    report = ConversionReport(to=to, method=method, p=p, already_rms=rms,
+                              skipped=[vars(s) for s in skipped])
+    if not sites:
+        return report
+    result = method_fn(model, sites)
+    report.method = result.method
+    report.added_biases = result.added_biases
+    report.warnings += result.warnings
+    for site in sites:
+        replace_module(model, site.name, _make_norm(site, to, p))
+        report.converted.append(NormRecord(
+            name=site.name, replaced=type(site.module).__name__, width=site.width, eps=site.eps, to=to,
+            method=result.per_norm_method.get(site.name, result.method),
+            bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
+    _record(model, report)
+    return report

@@ -1,0 +1,61 @@
+"""ConversionReport: what `convert` did, as a table for people and JSON for tools."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class NormRecord:
+    name: str
+    replaced: str          # class name of the LayerNorm that was replaced
+    width: int
+    eps: float
+    to: str                # "rmsnorm" | "prmsnorm"
+    method: str            # "naive" | "exact"
+    bias: str              # "dropped" | "folded" | "none"
+    bias_norm: float       # L2 norm of the LayerNorm bias
+
+
+@dataclass
+class ConversionReport:
+    to: str
+    method: str
+    p: float | None = None
+    converted: list[NormRecord] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)       # {name, cls, reason}
+    already_rms: list[str] = field(default_factory=list)
+    added_biases: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    verification: dict | None = None                        # filled by methods that verify themselves
+
+    @property
+    def num_converted(self) -> int:
+        return len(self.converted)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def to_table(self) -> str:
+        rows = [("module", "replaced", "width", "eps", "to", "method", "bias", "|bias|")]
+        rows += [(r.name, r.replaced, str(r.width), f"{r.eps:g}", r.to, r.method, r.bias, f"{r.bias_norm:.4g}")
+                 for r in self.converted]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        dropped = sum(r.bias == "dropped" for r in self.converted)
+        p = f" (p={self.p})" if self.p is not None else ""
+        summary = (f"converted {self.num_converted} LayerNorm -> {self.to}{p} with method '{self.method}'"
+                   f"; biases dropped: {dropped}; already RMSNorm: {len(self.already_rms)}"
+                   f"; skipped: {len(self.skipped)}")
+        if self.added_biases:
+            summary += f"; biases added to {len(self.added_biases)} layers"
+        out = lines + [summary] if self.converted else [summary]
+        out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
+        out += [f"warning: {w}" for w in self.warnings]
+        return "\n".join(out)
+
+    __str__ = to_table
