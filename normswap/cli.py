@@ -34,6 +34,7 @@ def _quiet_libraries() -> None:
 
     import transformers
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore")
 
 
@@ -57,12 +58,16 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
 @click.argument("src")
 @click.option("--to", "to", type=click.Choice(["rmsnorm", "prmsnorm"]), required=True)
 @click.option("--p", "p", type=float, default=None, help="pRMSNorm fraction of features (default 0.0625).")
-@click.option("--method", type=click.Choice(_methods()), default="naive", show_default=True)
+@click.option("--method", type=click.Choice(_methods()), default="auto", show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @DTYPE
-def convert(src, to, p, method, out, overwrite, as_json, dtype):
+@click.option("--finetune-steps", type=click.IntRange(min=0), default=0,
+              help="Then heal: N distillation steps from the original on --data.")
+@click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
+@click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
+def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, data, onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     from pathlib import Path
 
@@ -71,6 +76,10 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype):
 
     if Path(out).exists() and not overwrite:
         raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    if onnx_path and Path(onnx_path).exists() and not overwrite:
+        raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
+    from normswap.cli_heal import heal_after_convert, read_finetune_data
+    texts = read_finetune_data(finetune_steps, data)
     model, tokenizer = normswap.io.load_model(src, dtype)
     original = copy.deepcopy(model)
     report = normswap.convert(model, to=to, method=method, p=p)
@@ -78,14 +87,22 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype):
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
         return
+    healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
     parity = compare(original, model)
     normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
     if as_json:
-        click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out)}))
+        click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out),
+                                **({"heal": healed.to_dict()} if healed else {}),
+                                **({"onnx": exported.to_dict()} if exported else {})}))
     else:
         click.echo(report.to_table())
         click.echo(str(parity))
+        if healed:
+            click.echo(str(healed))
         click.echo(f"saved to {out}")
+        if exported:
+            click.echo(str(exported))
 
 
 @main.command()
@@ -96,24 +113,34 @@ def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model
     from normswap.surgery import find_norms
+    from normswap.surgery.exact import exact_support
 
     model, _ = load_model(src, dtype)
     sites, skipped, rms = find_norms(model)
+    why_not = exact_support(model, sites)  # None: `--method exact` applies to every norm listed
+    bias_fate = " (naive drops the bias)" if why_not else " (exact: bias folded)"
     rows = [{"name": s.name, "type": type(s.module).__name__, "width": s.width, "eps": s.eps,
-             "bias_norm": round(s.bias_norm, 6),
-             "action": "to RMSNorm" + (" (naive drops the bias)" if s.bias_norm > 0 else "")} for s in sites]
+             "bias_norm": round(s.bias_norm, 6), "exact": why_not is None,
+             "action": "to RMSNorm" + (bias_fate if s.bias_norm > 0 else "")} for s in sites]
     rows += [{"name": n, "type": type(model.get_submodule(n)).__name__, "action": "already RMSNorm: kept"}
              for n in rms]
     rows += [{"name": s.name, "type": s.cls, "action": f"skipped: {s.reason}"} for s in skipped]
     if as_json:
-        click.echo(json.dumps({"model": type(model).__name__, "norms": rows}))
+        click.echo(json.dumps({"model": type(model).__name__, "norms": rows, "exact_unavailable": why_not}))
         return
     click.echo(f"{type(model).__name__}: {len(sites)} LayerNorm to convert, {len(rms)} RMSNorm, "
                f"{len(skipped)} skipped")
+    if sites and why_not:
+        click.echo(f"  no exact conversion: {why_not}")
     for r in rows:
         extra = f" width={r['width']} eps={r['eps']:g} |bias|={r['bias_norm']:.4g}" if "width" in r else ""
         click.echo(f"  {r['name'] or '(root)'}  {r['type']}{extra}  -> {r['action']}")
 
+
+from normswap.cli_heal import eval_cmd, heal  # noqa: E402  (heal and eval live in their own module)
+main.add_command(heal)
+main.add_command(eval_cmd, "eval")
+from normswap.export.cli import export as _export_cmd; main.add_command(_export_cmd)  # noqa: E402,E702
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap.errors import NormswapError
 from normswap.norms import PartialRMSNorm, RMSNorm
+from normswap.surgery.centring import apply_output_fixes
 from normswap.surgery.walk import ensure_bias, replace_module
 
 WEIGHTS = "model.safetensors"
@@ -92,11 +93,19 @@ def load_model(src: str, dtype: str | None = None):
     return model.eval(), load_tokenizer(where, local)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
 def load_tokenizer(where: str, local: bool = True):
+    """The model's tokenizer, or None when it has none (transformers 5 would build an empty one)."""
+    if local and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
+        return None
     try:
-        return AutoTokenizer.from_pretrained(where, local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
     except Exception:
         return None
+    return tokenizer if len(tokenizer) > 0 else None
 
 
 @contextlib.contextmanager
@@ -132,6 +141,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
+    model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with atomic_dir(out, overwrite) as tmp:
         model.config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None and _is_causal_lm(model.config):
@@ -145,7 +155,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
 
 
 def apply_structure(model: nn.Module, section: dict) -> None:
-    """Recreate the module changes recorded in a config's `normswap` section (norms, added biases)."""
+    """Recreate the module changes recorded in a config's `normswap` section (norms, biases, output fixes)."""
     for name, spec in section.get("norms", {}).items():
         old = model.get_submodule(name)
         ref = getattr(old, "weight", None)
@@ -158,6 +168,7 @@ def apply_structure(model: nn.Module, section: dict) -> None:
         replace_module(model, name, new)
     for name in section.get("added_biases", []):
         ensure_bias(model.get_submodule(name))
+    apply_output_fixes(model, section.get("output_fixes", {}))  # after the norms: fixes may sit on them
 
 
 def from_pretrained(path: str | Path, dtype: str | None = None) -> nn.Module:

@@ -87,4 +87,7 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "naive", p: flo
             method=result.per_norm_method.get(site.name, result.method),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     _record(model, report)
+    finish = getattr(result, "after_swap", None)  # methods that must see the swapped model (exact verifies)
+    if finish is not None:
+        finish(model, report)
     return report

@@ -1,0 +1,120 @@
+"""`normswap heal` and `normswap eval` (registered on the main group in cli.py)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from normswap.errors import NormswapError
+
+
+def check_tokenizers(tok, ref_tok, what: str) -> None:
+    """Distillation and KL compare token by token: both sides must map text to the same ids."""
+    if tok is None or ref_tok is None:
+        return
+    a, b = tok.get_vocab(), ref_tok.get_vocab()
+    if a != b:
+        differ = sum(1 for k, v in a.items() if b.get(k) != v)
+        raise NormswapError(f"{what}'s tokenizer does not match the model's ({len(b)} vs {len(a)} tokens, "
+                            f"{differ} mapped differently): they must share one vocabulary")
+
+
+def _load_with(src: str, other: str | None, what: str, dtype=None):
+    """(model, other model or None, tokenizer) with the tokenizers checked against each other."""
+    from normswap.io import load_model
+    model, tok = load_model(src, dtype)
+    ref, ref_tok = load_model(other, dtype) if other else (None, None)
+    check_tokenizers(tok, ref_tok, what)
+    tok = tok if tok is not None else ref_tok
+    if tok is None:
+        raise NormswapError(f"{src} has no tokenizer files")
+    return model, ref, tok
+
+
+def heal_after_convert(model, original, tokenizer, texts, steps: int):
+    """`convert --finetune-steps N`: distil the converted model from the unconverted copy."""
+    from normswap.heal import heal
+    if tokenizer is None:
+        raise NormswapError("--finetune-steps needs the model's tokenizer files")
+    report = heal(model, original, texts, tokenizer=tokenizer, steps=steps)
+    if report.interrupted:  # a half-healed model is not what `convert` promised: write nothing
+        raise KeyboardInterrupt
+    return report
+
+
+def read_finetune_data(steps: int, data) -> list[str] | None:
+    from normswap.textdata import read_texts
+    if steps and not data:
+        raise NormswapError("--finetune-steps needs --data FILE (plain text to distil on)")
+    if data and not steps:
+        raise NormswapError("--data is used only with --finetune-steps N")
+    return read_texts(data) if steps else None
+
+
+@click.command()
+@click.argument("src")
+@click.option("--teacher", "teacher_src", help="The original model (folder, Hub id, normswap-demo).")
+@click.option("--data", multiple=True, type=click.Path(), help="Text file or folder of .txt (repeatable).")
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once healing completes).")
+@click.option("--train", type=click.Choice(["norms", "all"]), default="norms", show_default=True,
+              help="norms: only norm gains/biases; all: every parameter.")
+@click.option("--objective", type=click.Choice(["kd", "lm"]), default="kd", show_default=True,
+              help="kd: distil from --teacher; lm: next-token loss on the data.")
+@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Default: 1e-2 (norms), 3e-4 (all).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed, as_json):
+    """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
+
+    Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
+    """
+    from normswap.heal import heal as run_heal
+    from normswap.textdata import read_texts
+
+    if Path(out).exists() and not overwrite:
+        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    if objective == "kd" and not teacher_src:
+        raise NormswapError("--teacher ORIG is required for distillation (or use --objective lm)")
+    if not data:
+        raise NormswapError("--data FILE is required: plain text to heal on")
+    texts = read_texts(data)
+    student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher")
+    report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
+                      objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
+                      overwrite=overwrite, progress=not as_json)
+    from accelerate import PartialState
+    if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
+        return
+    click.echo(json.dumps(report.to_dict()) if as_json else str(report))
+    if report.interrupted:
+        where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
+        click.echo(f"interrupted after {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
+                   err=True)
+        sys.exit(130)
+
+
+@click.command("eval")
+@click.argument("src")
+@click.option("--data", multiple=True, type=click.Path(),
+              help="Text file(s) to score (default: the held-out Austen chapters shipped with normswap).")
+@click.option("--reference", help="Original model: adds KL and top-1 agreement (encoders: embedding cosine).")
+@click.option("--seq-len", type=click.IntRange(min=2), default=None, help="Window (default: model context).")
+@click.option("--stride", type=click.IntRange(min=1), default=None, help="Default: seq-len // 2.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def eval_cmd(src, data, reference, seq_len, stride, batch_size, as_json):
+    """Perplexity of SRC (sliding window), and agreement with --reference."""
+    from normswap.evaluate import evaluate
+    from normswap.textdata import read_texts
+
+    texts = read_texts(data) if data else None
+    model, ref, tok = _load_with(src, reference, "the reference")
+    report = evaluate(model, tok, texts, reference=ref, seq_len=seq_len, stride=stride, batch_size=batch_size)
+    click.echo(json.dumps(report.to_dict()) if as_json else str(report))

@@ -1,0 +1,28 @@
+"""`normswap export SRC --onnx FILE`: registered on the main group in normswap/cli.py."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("export")
+@click.argument("src")
+@click.option("--onnx", "onnx_path", required=True, type=click.Path(), help="ONNX file to write.")
+@click.option("--target", default="ort", show_default=True,
+              help="ort: SimplifiedLayerNormalization (+Skip) for onnxruntime; onnx23: standard RMSNormalization.")
+@click.option("--fp16", is_flag=True, help="fp16 weights and activations (norm statistics stay fp32).")
+@click.option("--with-past", is_flag=True, help="Decoder with past key/values in and out, for generation.")
+@click.option("--opset", type=int, default=None, help="ONNX opset (ort: 18-23, default 18; onnx23: 23).")
+@click.option("--overwrite", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+def export(src, onnx_path, target, fp16, with_past, opset, overwrite, as_json):
+    """Export SRC (folder, Hub id or normswap-demo; converted or not) to ONNX and validate it in ORT."""
+    import normswap
+    from normswap.export import _check_args
+
+    _check_args(target, opset)  # fail before the (slow) load
+    model, _ = normswap.io.load_model(src)
+    report = normswap.export_onnx(model, onnx_path, target=target, fp16=fp16, with_past=with_past,
+                                  opset=opset, overwrite=overwrite)
+    click.echo(json.dumps(report.to_dict()) if as_json else report.to_table())

@@ -1,0 +1,56 @@
+"""ExportReport: what `export_onnx` wrote and what its validation measured."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ExportReport:
+    path: str
+    target: str
+    opset: int
+    fp16: bool
+    with_past: bool
+    output: str                                              # "logits" | "last_hidden_state"
+    norms: dict[str, int] = field(default_factory=dict)      # in the model: rmsnorm, prmsnorm, layernorm
+    fused: dict[str, int] = field(default_factory=dict)      # norm nodes in the ORT-optimised graph
+    rewrites: dict[str, int] = field(default_factory=dict)   # onnxscript fusion rules applied
+    parity: list[dict] = field(default_factory=list)         # per (batch, seq): max_abs, ref_max, finite
+    tolerance: float | None = None                           # on max_abs
+    generation: dict | None = None                           # with_past: greedy tokens ORT vs PyTorch
+    latency_ms: float | None = None                          # ORT CPU, batch 1, 32 tokens, median
+    validated: bool = False
+
+    @property
+    def max_abs(self) -> float | None:
+        return max((r["max_abs"] for r in self.parity), default=None)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "max_abs": self.max_abs}
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def to_table(self) -> str:
+        kind = "fp16" if self.fp16 else "fp32"
+        past = ", with past" if self.with_past else ""
+        lines = [f"exported {self.path} (target {self.target}, opset {self.opset}, {kind}{past}; "
+                 f"output {self.output})"]
+        norms = ", ".join(f"{v} {k}" for k, v in self.norms.items() if v and k != "lowered") or "none"
+        fused = ", ".join(f"{v} {k}" for k, v in sorted(self.fused.items())) or "none"
+        lines.append(f"norms in model: {norms}; norm nodes in ORT-optimised graph: {fused}")
+        if self.norms.get("prmsnorm"):
+            lines.append("pRMSNorm has no fused ONNX op: exported op by op (Slice, Pow, ReduceMean, Sqrt, Div)")
+        for r in self.parity:
+            lines.append(f"max |Δ{self.output}| ORT vs PyTorch at batch {r['batch']}, seq {r['seq']}: "
+                         f"{r['max_abs']:.3e} (tolerance {self.tolerance:.1e})")
+        if self.generation:
+            g = self.generation
+            lines.append(f"greedy generation, {g['new_tokens']} tokens: "
+                         f"{'same tokens in ORT and PyTorch' if g['match'] else 'MISMATCH'}")
+        if self.latency_ms is not None:
+            lines.append(f"ORT CPU latency (batch 1, 32 tokens): {self.latency_ms:.2f} ms")
+        return "\n".join(lines)
+
+    __str__ = to_table

@@ -1,0 +1,158 @@
+"""Checks run on every exported file before it is moved into place: onnx.checker, ORT loads it on
+CPU, fused norm nodes in the ORT-optimised graph vs norms in the model, parity with PyTorch at two
+batch/sequence sizes, greedy generation with the past (with_past), and ORT latency."""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.export import fuse, translate, wrap
+
+SIZES = ((1, 7), (3, 33))
+
+
+def session(path: str | Path, level: str = "all", optimized_to: str | None = None,
+            profile_prefix: str | None = None, threads: int = 0):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = {"extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                                     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[level]
+    opts.log_severity_level = 3
+    opts.intra_op_num_threads = threads
+    if optimized_to:
+        opts.optimized_model_filepath = optimized_to
+    if profile_prefix:
+        opts.enable_profiling, opts.profile_file_prefix = True, profile_prefix
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def check_file(path: Path) -> None:
+    translate.register_ort_schema()
+    onnx.checker.check_model(str(path), full_check=True)
+
+
+def optimized_norm_nodes(path: Path) -> dict[str, int]:
+    """Fused norm nodes after onnxruntime's own graph optimisations (what actually runs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "optimized.onnx")
+        session(path, "extended", optimized_to=out)
+        return dict(fuse.norm_nodes(onnx.load(out, load_external_data=False)))
+
+
+def random_inputs(model: nn.Module, batch: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Token ids and a mask whose later rows are right-padded (padding must not matter)."""
+    g = torch.Generator().manual_seed(seed + 1000 * batch + seq)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1:, seq - seq // 4:] = 0
+    return {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+
+
+def empty_past(model: nn.Module, batch: int, np_dtype) -> dict[str, np.ndarray]:
+    names, _ = wrap.io_names(wrap.num_layers(model.config), True, "logits")
+    return {n: np.zeros(wrap.kv_shape(model.config, batch, 0), np_dtype) for n in names[2:]}
+
+
+@torch.no_grad()
+def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -> list[dict]:
+    """max |ORT - PyTorch| of the main output over unpadded positions, per (batch, seq)."""
+    rows = []
+    for batch, seq in SIZES:
+        feed = random_inputs(reference, batch, seq)
+        if with_past:
+            feed.update(empty_past(reference, batch, np_dtype))
+        got = sess.run([output], feed)[0].astype(np.float64)
+        dev = next(reference.parameters()).device
+        ref = getattr(reference(input_ids=torch.from_numpy(feed["input_ids"]).to(dev),
+                                attention_mask=torch.from_numpy(feed["attention_mask"]).to(dev), use_cache=False),
+                      output).double().cpu().numpy()
+        keep = feed["attention_mask"].astype(bool)
+        diff = np.abs(got[keep] - ref[keep])
+        rows.append({"batch": batch, "seq": seq, "max_abs": float(diff.max()),
+                     "ref_max": float(np.abs(ref[keep]).max()), "finite": bool(np.isfinite(got).all())})
+    return rows
+
+
+def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_dtype) -> np.ndarray:
+    """Greedy decoding in ORT, feeding `present` back as the next step's past."""
+    tokens, step_ids = prompt, prompt
+    feed_past = empty_past(model, prompt.shape[0], np_dtype)
+    names = list(feed_past)
+    for _ in range(new_tokens):
+        outs = sess.run(None, {"input_ids": step_ids, "attention_mask": np.ones(tokens.shape, np.int64),
+                               **feed_past})
+        step_ids = outs[0][:, -1].argmax(-1)[:, None].astype(np.int64)
+        feed_past = dict(zip(names, outs[1:]))
+        tokens = np.concatenate([tokens, step_ids], axis=1)
+    return tokens
+
+
+@torch.no_grad()
+def generation(sess, reference: nn.Module, np_dtype, new_tokens: int = 20) -> dict:
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, reference.config.vocab_size, (1, 5), generator=g)
+    on_dev = prompt.to(next(reference.parameters()).device)
+    ref = reference.generate(on_dev, attention_mask=torch.ones_like(on_dev), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0).cpu()
+    got = ort_greedy(sess, reference, prompt.numpy(), new_tokens, np_dtype)
+    return {"new_tokens": new_tokens, "match": bool(np.array_equal(got, ref.numpy())),
+            "ort": got[0, 5:].tolist(), "torch": ref[0, 5:].tolist()}
+
+
+def latency_ms(sess, model: nn.Module, with_past: bool, np_dtype, batch: int = 1, seq: int = 32,
+               runs: int = 10) -> float:
+    feed = random_inputs(model, batch, seq)
+    feed["attention_mask"][:] = 1
+    if with_past:
+        feed.update(empty_past(model, batch, np_dtype))
+    sess.run(None, feed)  # warm-up
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        sess.run(None, feed)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32_tol: float,
+                    fp16_tol: float) -> None:
+    """Fill `report` with the checks; raise NormswapError on the first one that fails."""
+    try:
+        check_file(staged)
+    except Exception as e:
+        raise NormswapError(f"onnx.checker rejected the export: {str(e).splitlines()[0]}") from None
+    try:
+        report.fused = optimized_norm_nodes(staged)
+        sess = session(staged)
+    except Exception as e:
+        raise NormswapError(f"onnxruntime cannot load the export: {str(e).splitlines()[0][:300]}") from None
+    n = report.norms
+    rms_nodes = sum(report.fused.get(k, 0) for k in fuse.RMS_OPS)
+    ln_nodes = sum(report.fused.get(k, 0) for k in fuse.LN_OPS)
+    if rms_nodes != n["rmsnorm"] or ln_nodes != n["layernorm"]:
+        raise NormswapError(f"fused norm nodes do not match the model: {n['rmsnorm']} RMSNorm vs {rms_nodes} "
+                            f"fused RMS nodes, {n['layernorm']} LayerNorm vs {ln_nodes} LayerNormalization nodes")
+    np_dtype = np.float16 if fp16 else np.float32
+    report.parity = parity(sess, reference, report.output, report.with_past, np_dtype)
+    for r in report.parity:
+        tol = fp16_tol * max(1.0, r["ref_max"]) if fp16 else fp32_tol
+        report.tolerance = tol if report.tolerance is None else max(report.tolerance, tol)
+        if not r["finite"] or r["max_abs"] > tol:
+            raise NormswapError(f"ORT output differs from PyTorch at batch {r['batch']}, seq {r['seq']}: "
+                                f"max |Δ| {r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
+    if report.with_past:
+        report.generation = generation(sess, reference, np_dtype)
+        if not report.generation["match"] and not fp16:
+            raise NormswapError(f"greedy generation differs: ORT {report.generation['ort']} vs PyTorch "
+                                f"{report.generation['torch']}")
+    report.latency_ms = latency_ms(sess, reference, report.with_past, np_dtype)
+    report.validated = True

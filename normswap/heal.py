@@ -1,0 +1,241 @@
+"""`heal`: a short distillation fine-tune that brings a converted model back to its original.
+
+Loss: KL(teacher || student) on token distributions for models with logits, MSE on every hidden state
+for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
+under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over GPUs.
+
+Interruption (Ctrl-C, or KeyboardInterrupt from `callback`): training stops at a step boundary and the
+model of the completed steps is saved to `<out>.partial` (config.json `normswap_heal.interrupted`); `out`
+itself is never touched unless the run completes. An interrupt that lands inside an optimizer update
+(a second Ctrl-C) leaves the weights half-updated, so then nothing is saved.
+"""
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.evaluate import is_causal_lm
+from normswap.norms import is_rms_norm
+from normswap.textdata import max_positions, token_stream, wrap_special
+
+DEFAULT_LR = {"norms": 1e-2, "all": 3e-4}
+
+
+@dataclass
+class HealReport:
+    steps: int                 # requested
+    steps_done: int
+    train: str
+    objective: str
+    trainable: int             # number of trained parameter values
+    lr: float
+    seq_len: int
+    batch_size: int
+    seed: int
+    loss_first: float | None   # loss of the first step
+    loss_last: float | None    # mean loss of the last 10 steps
+    seconds: float
+    interrupted: bool = False
+    saved_to: str | None = None
+    losses: list[float] = field(default_factory=list, repr=False)
+
+    def to_dict(self, losses: bool = False) -> dict:
+        d = asdict(self)
+        return d if losses else {k: v for k, v in d.items() if k != "losses"}
+
+    def __str__(self) -> str:
+        s = (f"healed {self.steps_done}/{self.steps} steps ({self.train}, {self.trainable:,} params, "
+             f"{self.objective}) in {self.seconds:.1f}s: loss {self.loss_first:.4g} -> {self.loss_last:.4g}")
+        return s + (f"; saved to {self.saved_to}" if self.saved_to else "")
+
+
+def _is_norm(m: nn.Module) -> bool:
+    name = type(m).__name__
+    return (isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or is_rms_norm(m)
+            or ("Norm" in name and not any(True for _ in m.children())))
+
+
+def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameters of norm modules, plus the biases a conversion method added (they hold folded norm biases)."""
+    out = {}
+    for mname, m in model.named_modules():
+        if _is_norm(m):
+            for pname, p in m.named_parameters(recurse=False):
+                out[f"{mname}.{pname}" if mname else pname] = p
+    for mname in (getattr(model.config, "normswap", None) or {}).get("added_biases", []):
+        out[f"{mname}.bias"] = model.get_submodule(mname).bias
+    return out
+
+
+def _schedule(steps: int) -> Callable[[int], float]:
+    """Linear warm-up over 10% of the steps, then cosine decay to zero."""
+    warm = max(1, steps // 10)
+    return lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
+
+
+def _loss(student, teacher, x: torch.Tensor, objective: str) -> torch.Tensor:
+    if objective == "lm":
+        return student(input_ids=x, labels=x).loss
+    with torch.no_grad():
+        t = teacher(input_ids=x, output_hidden_states=True)
+    s = student(input_ids=x, output_hidden_states=True)
+    if getattr(s, "logits", None) is not None:
+        if s.logits.shape != t.logits.shape:
+            raise NormswapError(f"teacher and student outputs differ: {tuple(t.logits.shape)} vs "
+                                f"{tuple(s.logits.shape)} (different vocabularies?)")
+        ls, lt = s.logits.float().log_softmax(-1), t.logits.float().log_softmax(-1)
+        return F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1).mean()
+    if len(s.hidden_states) != len(t.hidden_states) or s.hidden_states[-1].shape != t.hidden_states[-1].shape:
+        raise NormswapError("teacher and student hidden states differ in shape: not the same architecture")
+    return sum(F.mse_loss(a.float(), b.float()) for a, b in zip(s.hidden_states, t.hidden_states)) / len(
+        s.hidden_states)
+
+
+def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite):
+    if train not in DEFAULT_LR:
+        raise NormswapError(f"unknown train mode '{train}': choose norms or all")
+    if objective not in ("kd", "lm"):
+        raise NormswapError(f"unknown objective '{objective}': choose kd or lm")
+    if objective == "kd" and teacher is None:
+        raise NormswapError("distillation (objective kd) needs a teacher: the original model")
+    if objective == "lm" and not is_causal_lm(student):
+        raise NormswapError("objective lm needs a causal LM; use kd for encoders")
+    if int(steps) < 1 or int(batch_size) < 1 or int(seq_len) < 2 or (lr is not None and lr <= 0):
+        raise NormswapError("steps and batch_size must be >= 1, seq_len >= 2, lr > 0")
+    if not texts or not any(isinstance(t, str) and t.strip() for t in texts):
+        raise NormswapError("no training text")
+    if teacher is not None and getattr(teacher.config, "vocab_size", None) != getattr(
+            student.config, "vocab_size", None):
+        raise NormswapError(f"teacher vocabulary ({teacher.config.vocab_size}) differs from the "
+                            f"student's ({student.config.vocab_size})")
+    if out is not None and Path(out).exists() and not overwrite:
+        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+
+
+def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
+    from normswap.io import read_config, save_pretrained
+    student.config.normswap_heal = info
+    if info["interrupted"]:
+        partial = Path(f"{out}.partial")
+        if partial.exists():  # replace an earlier partial checkpoint, never anything else
+            try:
+                if not read_config(partial).get("normswap_heal", {}).get("interrupted"):
+                    return None
+            except (OSError, ValueError):
+                return None
+        return str(save_pretrained(student, partial, tokenizer, overwrite=True))
+    return str(save_pretrained(student, out, tokenizer, overwrite=overwrite))
+
+
+def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None, steps: int = 200,
+         lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
+         batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
+         progress: bool = True, callback: Callable[[int, float], None] | None = None) -> HealReport:
+    """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
+
+    train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
+    weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
+    exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
+    step. Ctrl-C: see the module docstring.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite)
+    lr = float(lr if lr is not None else DEFAULT_LR[train])
+    ids = token_stream(tokenizer, texts)
+    causal = is_causal_lm(student)
+    limit = max_positions(student)
+    if limit and not causal:
+        limit -= 2  # room for [CLS] and [SEP]
+    seq_len = min(int(seq_len), limit or seq_len, len(ids))
+    if seq_len < 2:
+        raise NormswapError("the training text has fewer than 2 tokens")
+
+    accelerator = Accelerator()
+    set_seed(seed)
+    gen = torch.Generator().manual_seed(seed + accelerator.process_index)
+    dtype = next(student.parameters()).dtype
+    student.float()  # train in fp32 whatever the stored dtype; cast back at the end
+    grad_before = {n: p.requires_grad for n, p in student.named_parameters()}
+    chosen = dict(student.named_parameters()) if train == "all" else norm_parameters(student)
+    if not chosen:
+        raise NormswapError("the model has no norm parameters to train: use --train all")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in chosen.values():
+        p.requires_grad_(True)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
+    student.eval()  # no dropout: match the teacher's deterministic function
+    model, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    if teacher is not None:
+        teacher.eval().to(accelerator.device)
+
+    losses: list[float] = []
+    stop = {"requested": False, "updating": False, "torn": False}
+
+    def on_sigint(signum, frame):
+        if stop["requested"]:  # second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        stop["requested"] = True
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if main_thread else None
+    bar = tqdm(total=int(steps), desc="heal", disable=not progress or not accelerator.is_local_main_process)
+    start = time.perf_counter()
+    try:
+        for _ in range(int(steps)):
+            starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
+            x = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+            x = (x if causal else wrap_special(tokenizer, x)).to(accelerator.device)
+            loss = _loss(model, teacher, x, objective)
+            accelerator.backward(loss)
+            stop["updating"] = True
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            stop["updating"] = False
+            losses.append(loss.item())
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+            if callback is not None:
+                callback(len(losses), losses[-1])
+            if stop["requested"]:
+                accelerator.set_trigger()
+            if accelerator.check_trigger():  # any process interrupted: all stop at the same step
+                break
+    except KeyboardInterrupt:
+        stop["requested"], stop["torn"] = True, stop["updating"]
+    finally:
+        bar.close()
+        if main_thread:
+            signal.signal(signal.SIGINT, old_handler)
+        student = accelerator.unwrap_model(model)
+        for n, p in student.named_parameters():
+            p.requires_grad_(grad_before[n])
+        student.to(dtype)
+
+    report = HealReport(int(steps), len(losses), train, objective, sum(p.numel() for p in params), lr, seq_len,
+                        batch_size, seed, losses[0] if losses else None,
+                        sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+                        time.perf_counter() - start, interrupted=len(losses) < int(steps), losses=losses)
+    if out is not None and not stop["torn"] and losses:
+        info = {k: getattr(report, k) for k in ("steps", "steps_done", "train", "objective", "lr", "seq_len",
+                                                "batch_size", "seed", "interrupted")}
+        if accelerator.is_main_process:
+            report.saved_to = _save(student, tokenizer, out, overwrite, info)
+        accelerator.wait_for_everyone()
+    return report

@@ -1,0 +1,44 @@
+"""Output fixes: centre a module's output over the last dim and/or add a bias after it.
+
+The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
+embedding norm, a headless model's final norm; see `exact`). A forward hook keeps the module, its
+parameter names and any weight tying intact; the bias is a parameter `normswap_bias` on the module so it
+is saved with the weights. `from_pretrained` re-applies fixes listed in config.normswap["output_fixes"].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    if module.normswap_centre:
+        out = out - out.float().mean(-1, keepdim=True).to(out.dtype)
+    bias = getattr(module, "normswap_bias", None)
+    return out if bias is None else out + bias
+
+
+def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0) -> None:
+    """Make `module` return centre(out) + bias. bias=None with width>0 creates a zero bias (for loading)."""
+    if hasattr(module, "normswap_centre"):
+        raise ValueError("module already has an output fix")
+    if bias is None and width:
+        bias = torch.zeros(width)
+    if bias is not None:
+        ref = next(module.parameters(), None)
+        kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
+        module.normswap_bias = nn.Parameter(bias.detach().to(**kw).clone())
+    module.normswap_centre = bool(centre)
+    module.register_forward_hook(_fix_output)
+
+
+def describe_fix(module: nn.Module) -> dict:
+    """What config.normswap records for a fixed module."""
+    bias = getattr(module, "normswap_bias", None)
+    return {"centre": module.normswap_centre, "bias": 0 if bias is None else int(bias.numel())}
+
+
+def apply_output_fixes(model: nn.Module, fixes: dict[str, dict]) -> None:
+    """Re-create recorded output fixes (zero biases; the weights file fills them)."""
+    for name, spec in fixes.items():
+        add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])
