@@ -3,7 +3,7 @@
     python examples/train_demo_model.py --corpus ../shared/corpora/austen --out normswap/demo
 
 Recipe: byte-level BPE (8192 tokens) trained on the training split; GPT-2 architecture,
-4 layers, 256 wide, 4 heads, 256 positions, tied embeddings; AdamW (lr 1e-3, betas 0.9/0.95,
+4 layers, 256 wide, 4 heads, 128 positions (= the training window), tied embeddings; AdamW (lr 1e-3, betas 0.9/0.95,
 wd 0.1), 100 warm-up steps then cosine to 1e-4; batches of 32 x 128 tokens; fp32 training,
 fp16 storage. Persuasion chapters 21-24 are held out (see normswap/demo.py).
 """
@@ -35,7 +35,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS,
-                                   unk_token=EOS, model_max_length=256)
+                                   unk_token=EOS, model_max_length=128)
 
 
 def encode(tokenizer, texts: list[str]) -> torch.Tensor:
@@ -74,7 +74,8 @@ def main() -> None:
     train_ids, held_ids = encode(tokenizer, train_texts), encode(tokenizer, [heldout])
     print(f"train tokens {len(train_ids):,}  held-out tokens {len(held_ids):,}", flush=True)
 
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=256, n_embd=256, n_layer=4, n_head=4,
+    # n_positions = the training window, so that every position is trained.
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=args.seq, n_embd=256, n_layer=4, n_head=4,
                         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                         tie_word_embeddings=True)
     model = GPT2LMHeadModel(config)

@@ -21,7 +21,7 @@ def outputs(model):
                                        ("vit", "rmsnorm"), ("gpt_neox", "rmsnorm")])
 def test_round_trip_is_bit_exact(tmp_path, family, to):
     model = tiny_model(family)
-    normswap.convert(model, to=to)
+    normswap.convert(model, method="naive", to=to)
     expected = outputs(model)
     normswap.save_pretrained(model, tmp_path / "m")
     loaded = normswap.from_pretrained(tmp_path / "m")
@@ -34,7 +34,7 @@ def test_round_trip_is_bit_exact(tmp_path, family, to):
 
 def test_layout_is_safetensors_with_normswap_section(tmp_path):
     model = tiny_model("gpt2")
-    normswap.convert(model, to="rmsnorm")
+    normswap.convert(model, method="naive", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m")
     files = sorted(p.name for p in (tmp_path / "m").iterdir())
     assert "model.safetensors" in files and "config.json" in files
@@ -54,7 +54,7 @@ def test_layout_is_safetensors_with_normswap_section(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_round_trip_half_precision(tmp_path, dtype):
     model = tiny_model("gpt2", dtype=dtype)
-    normswap.convert(model, to="rmsnorm")
+    normswap.convert(model, method="naive", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m")
     loaded = normswap.from_pretrained(tmp_path / "m")
     assert loaded.transformer.ln_f.weight.dtype == dtype
@@ -66,7 +66,7 @@ def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     model = tiny_model("gpt2")
-    normswap.convert(model, to="rmsnorm")
+    normswap.convert(model, method="naive", to="rmsnorm")
     with pytest.raises(NormswapError, match="exists: pass --overwrite"):
         normswap.save_pretrained(model, out)
     assert (out / "keep.txt").read_text() == "precious"
@@ -79,7 +79,7 @@ def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     model = tiny_model("gpt2")
-    normswap.convert(model, to="rmsnorm")
+    normswap.convert(model, method="naive", to="rmsnorm")
 
     def broken(*a, **k):
         raise OSError("disk full")

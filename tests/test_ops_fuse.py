@@ -29,7 +29,7 @@ def tiny_gpt2(cross_attention=False):
         for name, p in model.named_parameters():
             if ".ln_" in name and name.endswith("weight"):
                 p.uniform_(0.5, 1.5)
-    normswap.convert(model, to="rmsnorm")
+    normswap.convert(model, method="naive", to="rmsnorm")
     return model
 
 

@@ -52,12 +52,13 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
     config.normswap = section
 
 
-def convert(model: nn.Module, to: str = "rmsnorm", method: str = "naive", p: float | None = None,
+def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
             filter_fn: FilterFn | None = None) -> ConversionReport:
     """Replace every LayerNorm over the last dim of `model` by RMSNorm (or pRMSNorm), in place.
 
-    method: how biases are handled ("naive": dropped, the paper's swap; others register themselves
-    in `normswap.surgery.methods`). filter_fn(module, name) -> bool limits which norms are touched.
+    method: "auto" (default: exact where an adapter covers the architecture, else naive with a
+    warning), "exact" (function-preserving, verified; refuses what it cannot do) or "naive" (bias
+    dropped, the paper's swap). Methods register themselves in `normswap.surgery.methods`. filter_fn(module, name) -> bool limits which norms are touched.
     Running it again on a converted model is a no-op.
     """
     if to not in TARGETS:
