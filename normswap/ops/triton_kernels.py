@@ -32,6 +32,28 @@ launches: Counter = Counter()
 
 
 @triton.jit
+def _load_h(X, R, H, cols, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr):
+    """h = x (+ residual) in fp32; with a residual, h is rounded to storage precision (and stored to H
+    when STORE_H) so that forward and backward, which reloads h, normalise the same values."""
+    h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
+        h_out = h.to(H.dtype.element_ty)
+        if STORE_H:
+            tl.store(H + cols, h_out, mask=mask)
+        h = h_out.to(tl.float32)
+    return h
+
+
+@triton.jit
+def _store_y(Y, W, cols, mask, h, rstd, HAS_W: tl.constexpr):
+    y = h * rstd
+    if HAS_W:
+        y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _fwd_kernel(X, R, Y, H, W, RSTD,
                 stride_x, stride_r, stride_y, stride_h,
                 n_cols, k_cols, eps,
@@ -47,45 +69,25 @@ def _fwd_kernel(X, R, Y, H, W, RSTD,
     if SINGLE:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
-            h_out = h.to(H.dtype.element_ty)
-            tl.store(H + cols, h_out, mask=mask)
-            # Normalise h as stored, so forward and backward (which reloads h) see the same values.
-            h = h_out.to(tl.float32)
+        h = _load_h(X, R, H, cols, mask, HAS_RES, True)
         hk = tl.where(cols < k_cols, h, 0.0)
         rstd = tl.rsqrt(tl.sum(hk * hk, axis=0) / k_cols + eps)
-        y = h * rstd
-        if HAS_W:
-            y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        _store_y(Y, W, cols, mask, h, rstd, HAS_W)
     else:
         # Pass 1 reads only the first k columns: that is where pRMSNorm saves bandwidth.
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, k_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < k_cols
-            h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RES:
-                h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
-                h = h.to(H.dtype.element_ty).to(tl.float32)
+            h = _load_h(X, R, H, cols, mask, HAS_RES, False)
             acc += h * h
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / k_cols + eps)
         # Pass 2 recomputes h rather than reading back pass 1's stores: no cross-thread ordering to trust.
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            h = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RES:
-                h += tl.load(R + cols, mask=mask, other=0.0).to(tl.float32)
-                h_out = h.to(H.dtype.element_ty)
-                tl.store(H + cols, h_out, mask=mask)
-                h = h_out.to(tl.float32)
-            y = h * rstd
-            if HAS_W:
-                y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            h = _load_h(X, R, H, cols, mask, HAS_RES, True)
+            _store_y(Y, W, cols, mask, h, rstd, HAS_W)
     tl.store(RSTD + row, rstd)
 
 
