@@ -89,8 +89,9 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
         return
     healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
     parity = compare(original, model)
-    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
+    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
     if as_json:
         click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out),
                                 **({"heal": healed.to_dict()} if healed else {}),

@@ -133,3 +133,12 @@ def test_real_process_prints_one_line_no_traceback(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: no such folder: {tmp_path / 'missing'}"]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_failed_onnx_export_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
+    def failing_export(*a, **k):
+        raise normswap.NormswapError("ORT parity 1e-2 above tolerance")
+    monkeypatch.setattr(normswap, "export_onnx", failing_export)
+    result = run("convert", gpt2_dir, "--to", "rmsnorm", "-o", tmp_path / "out", "--onnx", tmp_path / "m.onnx")
+    assert result.exit_code == 1 and "error: ORT parity 1e-2 above tolerance" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
