@@ -176,9 +176,7 @@ def _perplexity(model, ids: torch.Tensor, window: int = 128) -> float:
 
 
 def test_demo_model_perplexity_unchanged():
-    from normswap.demo import DEMO_DIR, DEMO_NAME, HELDOUT_FILE, heldout_text
-    if not (DEMO_DIR / "model.safetensors").exists() or not HELDOUT_FILE.exists():
-        pytest.skip("demo model not bundled yet (normswap/demo/model.safetensors or heldout.txt missing)")
+    from normswap.demo import DEMO_NAME, heldout_text
     model, tokenizer = normswap.load_model(DEMO_NAME)
     ids = torch.tensor(tokenizer(heldout_text())["input_ids"][:4096])
     before = _perplexity(model, ids)
