@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokeni
 
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap.errors import NormswapError
-from normswap.norms import PartialRMSNorm, RMSNorm
+from normswap.norms import build_norm
 from normswap.surgery.centring import apply_output_fixes
 from normswap.surgery.walk import ensure_bias, replace_module
 
@@ -157,15 +157,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
 def apply_structure(model: nn.Module, section: dict) -> None:
     """Recreate the module changes recorded in a config's `normswap` section (norms, biases, output fixes)."""
     for name, spec in section.get("norms", {}).items():
-        old = model.get_submodule(name)
-        ref = getattr(old, "weight", None)
-        kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
-        if spec["type"] == "prmsnorm":
-            new = PartialRMSNorm(spec["width"], p=spec["p"], eps=spec["eps"],
-                                 elementwise_affine=spec["affine"], **kw)
-        else:
-            new = RMSNorm(spec["width"], eps=spec["eps"], elementwise_affine=spec["affine"], **kw)
-        replace_module(model, name, new)
+        replace_module(model, name, build_norm(spec, like=model.get_submodule(name)))
     for name in section.get("added_biases", []):
         ensure_bias(model.get_submodule(name))
     apply_output_fixes(model, section.get("output_fixes", {}))  # after the norms: fixes may sit on them

@@ -50,6 +50,23 @@ class PartialRMSNorm(RMSNorm):
         return super().extra_repr() + f", p={self._p}"
 
 
+def norm_spec(module: RMSNorm) -> dict:
+    """What rebuilds `module` (recorded in config.normswap, read back by `build_norm`)."""
+    return {"type": "prmsnorm" if isinstance(module, PartialRMSNorm) else "rmsnorm",
+            "width": module.normalized_shape, "eps": module.eps, "p": module.p,
+            "affine": module.elementwise_affine}
+
+
+def build_norm(spec: dict, like: nn.Module) -> RMSNorm:
+    """A fresh norm from a `norm_spec`, on the device and in the dtype of `like`'s weight (if any)."""
+    ref = getattr(like, "weight", None)
+    kw = dict(eps=spec["eps"], elementwise_affine=spec["affine"],
+              **(dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}))
+    if spec["type"] == "prmsnorm":
+        return PartialRMSNorm(spec["width"], p=spec["p"], **kw)
+    return RMSNorm(spec["width"], **kw)
+
+
 def is_rms_norm(module: nn.Module) -> bool:
     """True for ours and for other libraries' RMSNorms (LlamaRMSNorm, T5LayerNorm, nn.RMSNorm...)."""
     name = type(module).__name__

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.norms import PartialRMSNorm, RMSNorm
+from normswap.norms import RMSNorm, build_norm, norm_spec
 from normswap.ops import partial_width
 from normswap.surgery.methods import get_method
 from normswap.surgery.report import ConversionReport, NormRecord
@@ -18,23 +18,12 @@ DEFAULT_P = 0.0625
 def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
     old = site.module
     affine = getattr(old, "weight", None) is not None
-    kw = dict(device=old.weight.device, dtype=old.weight.dtype) if affine else {}
-    if to == "prmsnorm":
-        new = PartialRMSNorm(site.width, p=p, eps=site.eps, elementwise_affine=affine, **kw)
-    else:
-        new = RMSNorm(site.width, eps=site.eps, elementwise_affine=affine, **kw)
+    new = build_norm({"type": to, "width": site.width, "eps": site.eps, "p": p, "affine": affine}, like=old)
     if affine:
         with torch.no_grad():
             new.weight.copy_(old.weight)
     new.train(old.training)
     return new
-
-
-def norm_spec(module: RMSNorm) -> dict:
-    """What `from_pretrained` needs to rebuild a converted norm."""
-    return {"type": "prmsnorm" if isinstance(module, PartialRMSNorm) else "rmsnorm",
-            "width": module.normalized_shape, "eps": module.eps, "p": module.p,
-            "affine": module.elementwise_affine}
 
 
 def _record(model: nn.Module, report: ConversionReport) -> None:
