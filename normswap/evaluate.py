@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.io import is_causal_lm
 from normswap.textdata import max_positions, sentences, token_stream
 
 
@@ -44,11 +45,6 @@ class EvalReport:
         if self.kl is not None:
             s += f"; vs reference: KL {self.kl:.4e}, top-1 agreement {self.top1_agreement:.4f}"
         return s
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    names = [type(model).__name__] + list(getattr(model.config, "architectures", None) or [])
-    return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
 
 
 def _device(model: nn.Module) -> torch.device:

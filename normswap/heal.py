@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.evaluate import is_causal_lm
+from normswap.io import is_causal_lm
 from normswap.norms import is_rms_norm
 from normswap.textdata import max_positions, token_stream, wrap_special
 

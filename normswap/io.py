@@ -30,8 +30,13 @@ WEIGHTS = "model.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _is_causal_lm(config) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
+def is_causal_lm(model_or_config) -> bool:
+    """True for a causal LM: its class or config.architectures ends in ...ForCausalLM / ...LMHeadModel."""
+    config = getattr(model_or_config, "config", model_or_config)
+    names = list(getattr(config, "architectures", None) or [])
+    if isinstance(model_or_config, nn.Module):
+        names.append(type(model_or_config).__name__)
+    return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -83,7 +88,7 @@ def load_model(src: str, dtype: str | None = None):
         if getattr(config, "normswap", None):
             model = from_pretrained(where, dtype=dtype)
         else:
-            cls = AutoModelForCausalLM if _is_causal_lm(config) else AutoModel
+            cls = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
             model = cls.from_pretrained(where, local_files_only=local,
                                         dtype=DTYPES[dtype] if dtype else "auto")
     except NormswapError:
@@ -144,7 +149,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with atomic_dir(out, overwrite) as tmp:
         model.config.save_pretrained(tmp)
-        if getattr(model, "generation_config", None) is not None and _is_causal_lm(model.config):
+        if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
         # save_model drops the duplicate names of tied tensors and load_model restores them.
