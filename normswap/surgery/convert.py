@@ -47,8 +47,9 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
 
     method: "auto" (default: exact where an adapter covers the architecture, else naive with a
     warning), "exact" (function-preserving, verified; refuses what it cannot do) or "naive" (bias
-    dropped, the paper's swap). Methods register themselves in `normswap.surgery.methods`. filter_fn(module, name) -> bool limits which norms are touched.
-    Running it again on a converted model is a no-op.
+    dropped, the paper's swap). Methods register themselves in `normswap.surgery.methods`.
+    filter_fn(module, name) -> bool limits which norms are touched. Running it again on a converted
+    model is a no-op.
     """
     if to not in TARGETS:
         raise NormswapError(f"unknown target '{to}': choose rmsnorm or prmsnorm")
@@ -77,7 +78,5 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
             method=result.per_norm_method.get(site.name, result.method),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     _record(model, report)
-    finish = getattr(result, "after_swap", None)  # methods that must see the swapped model (exact verifies)
-    if finish is not None:
-        finish(model, report)
+    result.after_swap(model, report)
     return report

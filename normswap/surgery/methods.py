@@ -22,6 +22,9 @@ class MethodResult:
     warnings: list[str] = field(default_factory=list)
     per_norm_method: dict[str, str] = field(default_factory=dict)  # when methods differ per norm
 
+    def after_swap(self, model: nn.Module, report) -> None:
+        """Called by `convert` once the norms are swapped (exact finishes and verifies here)."""
+
 
 MethodFn = Callable[[nn.Module, list[NormSite]], MethodResult]
 _METHODS: dict[str, MethodFn] = {}
