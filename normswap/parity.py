@@ -42,7 +42,8 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
     return out
 
 
-def _main_output(out) -> tuple[str, torch.Tensor]:
+def main_output(out) -> tuple[str, torch.Tensor]:
+    """(name, tensor) of a model's main output: logits, else last_hidden_state, else the first one."""
     for key in ("logits", "last_hidden_state"):
         if getattr(out, key, None) is not None:
             return key, getattr(out, key)
@@ -57,8 +58,8 @@ def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = 
     kls: list[torch.Tensor] = []
     name = "output"
     for batch in inputs:
-        name, a = _main_output(reference(**batch))
-        _, b = _main_output(model(**batch))
+        name, a = main_output(reference(**batch))
+        _, b = main_output(model(**batch))
         a, b = a.double(), b.double()
         if "attention_mask" in batch and a.dim() == 3:
             keep = batch["attention_mask"].bool()

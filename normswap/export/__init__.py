@@ -28,6 +28,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.export.report import ExportReport
+from normswap.parity import main_output
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
@@ -80,10 +81,9 @@ def _main_output(model: nn.Module) -> str:
         raise NormswapError(f"{type(model).__name__} does not take input_ids: only text models export")
     ids = torch.zeros(1, 3, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    for name in ("logits", "last_hidden_state"):
-        if getattr(out, name, None) is not None:
-            return name
+        name, _ = main_output(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
+    if name in ("logits", "last_hidden_state"):
+        return name
     raise NormswapError(f"{type(model).__name__} returns neither logits nor last_hidden_state")
 
 
