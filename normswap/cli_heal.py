@@ -92,7 +92,7 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return
-    click.echo(json.dumps(report.to_dict()) if as_json else str(report))
+    click.echo(json.dumps(report.to_dict(losses=True)) if as_json else str(report))
     if report.interrupted:
         where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
         click.echo(f"interrupted after {report.steps_done}/{report.steps} steps: {where}; {out} untouched",

@@ -2,7 +2,9 @@
 
 Loss: KL(teacher || student) on token distributions for models with logits, MSE on every hidden state
 for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
-under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over GPUs.
+under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over processes (GPUs, or
+CPU processes over gloo): `batch_size` is the global batch, split evenly, so the loss curve does not depend
+on the number of processes.
 
 Interruption (Ctrl-C, or KeyboardInterrupt from `callback`): training stops at a step boundary and the
 model of the completed steps is saved to `<out>.partial` (config.json `normswap_heal.interrupted`); `out`
@@ -163,9 +165,21 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     if seq_len < 2:
         raise NormswapError("the training text has fewer than 2 tokens")
 
-    accelerator = Accelerator()
+    # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
+    # distribution at all.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    from accelerate.utils import DistributedType
+    if accelerator.distributed_type == DistributedType.FSDP:  # its sharded parameters would need another save
+        raise NormswapError("heal does not support FSDP yet: launch with DDP (accelerate launch --multi_gpu)")
+    ranks, rank = accelerator.num_processes, accelerator.process_index
+    if batch_size % ranks:
+        raise NormswapError(f"batch_size {batch_size} is the global batch: it must be divisible by the "
+                            f"{ranks} processes")
     set_seed(seed)
-    gen = torch.Generator().manual_seed(seed + accelerator.process_index)
+    # Every process draws the same global batch and trains on its slice: with gradients averaged across
+    # processes, N processes follow the loss curve of one process (to rounding).
+    gen = torch.Generator().manual_seed(seed)
+    local = batch_size // ranks
     dtype = next(student.parameters()).dtype
     student.float()  # train in fp32 whatever the stored dtype; cast back at the end
     grad_before = {n: p.requires_grad for n, p in student.named_parameters()}
@@ -180,7 +194,9 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
     student.eval()  # no dropout: match the teacher's deterministic function
-    model, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
+    # global batch split over processes would decay the learning rate N times too fast.
+    model, optimizer = accelerator.prepare(student, optimizer)
     if teacher is not None:
         teacher.eval().to(accelerator.device)
 
@@ -199,7 +215,8 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     try:
         for _ in range(int(steps)):
             starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
-            x = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+            mine = starts[rank * local:(rank + 1) * local]
+            x = torch.stack([ids[s:s + seq_len] for s in mine.tolist()])
             x = (x if causal else wrap_special(tokenizer, x)).to(accelerator.device)
             loss = _loss(model, teacher, x, objective)
             accelerator.backward(loss)
@@ -208,7 +225,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stop["updating"] = False
-            losses.append(loss.item())
+            losses.append(accelerator.reduce(loss.detach(), "mean").item())  # the global batch's loss
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if callback is not None:
