@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output, warn
 from normswap.errors import NormswapError
 
 
@@ -29,29 +30,25 @@ class _Group(click.Group):
         sys.exit(1)
 
 
-def _quiet_libraries() -> None:
-    import warnings
-
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore")
-
-
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="normswap")
-def main():
+@click.option("-q", "--quiet", "quiet", count=True, help="Errors only: no library warnings, no progress bars.")
+@click.option("-v", "--verbose", "verbose", count=True, help="Also the libraries' info messages.")
+@click.pass_context
+def main(ctx, quiet, verbose):
     """Turn a model's LayerNorms into RMSNorm, verify it, save it."""
-    _quiet_libraries()
+    ctx.obj = {"verbosity": verbose - quiet}
+    setup_output(verbose - quiet)
+
+
+def _output(as_json: bool) -> None:
+    """Per command: --json turns progress bars off (stdout must stay one JSON object)."""
+    setup_output(click.get_current_context().obj["verbosity"], as_json)
 
 
 def _methods() -> list[str]:
     from normswap.surgery import available_methods
     return available_methods()
-
-
-DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-                     help="Load the model in this dtype (default: as stored; the demo model: float32).")
 
 
 @main.command()
@@ -62,12 +59,13 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@DTYPE
+@dtype_option
+@device_option
 @click.option("--finetune-steps", type=click.IntRange(min=0), default=0,
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
 @click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
-def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, data, onnx_path=None):
+def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune_steps, data, onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     from pathlib import Path
 
@@ -79,14 +77,19 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
     if onnx_path and Path(onnx_path).exists() and not overwrite:
         raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
     from normswap.cli_heal import heal_after_convert, read_finetune_data
+    _output(as_json)
+    device = resolve_device(device)
     texts = read_finetune_data(finetune_steps, data)
-    model, tokenizer = normswap.io.load_model(src, dtype)
+    model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
+    model.to(device)
     original = copy.deepcopy(model)
     report = normswap.convert(model, to=to, method=method, p=p)
     if not report.converted:
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
         return
+    for w in report.warnings:  # on stderr, whatever the output format
+        warn(w)
     healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
     parity = compare(original, model)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
@@ -97,7 +100,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
                                 **({"heal": healed.to_dict()} if healed else {}),
                                 **({"onnx": exported.to_dict()} if exported else {})}))
     else:
-        click.echo(report.to_table())
+        click.echo(report.to_table(warnings=False))
         click.echo(str(parity))
         if healed:
             click.echo(str(healed))
@@ -109,14 +112,15 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
 @main.command()
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True)
-@DTYPE
+@dtype_option
 def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model
     from normswap.surgery import find_norms
     from normswap.surgery.exact import exact_support
 
-    model, _ = load_model(src, dtype)
+    _output(as_json)
+    model, _ = load_model(src, dtype_name(dtype))
     sites, skipped, rms = find_norms(model)
     why_not = exact_support(model, sites)  # None: `--method exact` applies to every norm listed
     bias_fate = " (naive drops the bias)" if why_not else " (exact: bias folded)"

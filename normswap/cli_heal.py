@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output
 from normswap.errors import NormswapError
 
 
@@ -21,11 +22,15 @@ def check_tokenizers(tok, ref_tok, what: str) -> None:
                             f"{differ} mapped differently): they must share one vocabulary")
 
 
-def _load_with(src: str, other: str | None, what: str, dtype=None):
+def _load_with(src: str, other: str | None, what: str, dtype=None, device=None):
     """(model, other model or None, tokenizer) with the tokenizers checked against each other."""
     from normswap.io import load_model
     model, tok = load_model(src, dtype)
     ref, ref_tok = load_model(other, dtype) if other else (None, None)
+    if device is not None:
+        model.to(device)
+        if ref is not None:
+            ref.to(device)
     check_tokenizers(tok, ref_tok, what)
     tok = tok if tok is not None else ref_tok
     if tok is None:
@@ -70,13 +75,22 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed, as_json):
+@dtype_option
+@device_option
+@click.pass_context
+def heal(ctx, src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed,
+         as_json, dtype, device):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
+    Under `accelerate launch` the processes (and their devices) are Accelerate's; --device cpu keeps
+    them on the CPU (gloo).
     """
     from normswap.heal import heal as run_heal
     from normswap.textdata import read_texts
+
+    setup_output(ctx.obj["verbosity"], as_json)
+    device = resolve_device(device)
 
     if Path(out).exists() and not overwrite:
         raise NormswapError(f"{out} exists: pass --overwrite to replace it")
@@ -85,10 +99,12 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
     if not data:
         raise NormswapError("--data FILE is required: plain text to heal on")
     texts = read_texts(data)
-    student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher")
+    student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher",
+                                       dtype_name(dtype))
     report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
                       objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
-                      overwrite=overwrite, progress=not as_json)
+                      overwrite=overwrite, progress=not as_json and ctx.obj["verbosity"] >= 0,
+                      cpu=device.type == "cpu")
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return
@@ -109,12 +125,17 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
 @click.option("--stride", type=click.IntRange(min=1), default=None, help="Default: seq-len // 2.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def eval_cmd(src, data, reference, seq_len, stride, batch_size, as_json):
+@dtype_option
+@device_option
+@click.pass_context
+def eval_cmd(ctx, src, data, reference, seq_len, stride, batch_size, as_json, dtype, device):
     """Perplexity of SRC (sliding window), and agreement with --reference."""
     from normswap.evaluate import evaluate
     from normswap.textdata import read_texts
 
+    setup_output(ctx.obj["verbosity"], as_json)
+    device = resolve_device(device)
     texts = read_texts(data) if data else None
-    model, ref, tok = _load_with(src, reference, "the reference")
+    model, ref, tok = _load_with(src, reference, "the reference", dtype_name(dtype), device)
     report = evaluate(model, tok, texts, reference=ref, seq_len=seq_len, stride=stride, batch_size=batch_size)
     click.echo(json.dumps(report.to_dict()) if as_json else str(report))

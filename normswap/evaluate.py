@@ -88,7 +88,9 @@ def _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size) -> 
     spans = windows(len(ids), seq_len, stride)
     # Windows of equal length share a batch (all but the last are seq_len long).
     body = spans[:-1]
-    for group in [body[i:i + batch_size] for i in range(0, len(body), batch_size)] + [spans[-1:]]:
+    from normswap.progress import bar
+    groups = [body[i:i + batch_size] for i in range(0, len(body), batch_size)] + [spans[-1:]]
+    for group in bar(groups, desc="eval"):
         x = torch.stack([ids[b:e] for b, e, _ in group]).to(_device(model))
         logp = model(input_ids=x).logits.float().log_softmax(-1)
         ref = (reference(input_ids=x.to(_device(reference))).logits.float().log_softmax(-1).to(logp.device)
@@ -132,7 +134,8 @@ def _encoder(model, tokenizer, texts, reference, seq_len, batch_size, max_senten
     limit = max_positions(model) or 512
     sents.sort(key=len)  # similar lengths share a batch: little padding (the mean ignores order)
     cos = []
-    for i in range(0, len(sents), batch_size):
+    from normswap.progress import bar
+    for i in bar(range(0, len(sents), batch_size), desc="eval"):
         batch = tokenizer(sents[i:i + batch_size], padding=True, truncation=True,
                           max_length=min(seq_len or limit, limit), return_tensors="pt")
         a = _embed(model, {k: v.to(_device(model)) for k, v in batch.items()})

@@ -142,13 +142,15 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
 def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None, steps: int = 200,
          lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
          batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
-         progress: bool = True, callback: Callable[[int, float], None] | None = None) -> HealReport:
+         progress: bool = True, callback: Callable[[int, float], None] | None = None,
+         cpu: bool | None = None) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
     exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
-    step. Ctrl-C: see the module docstring.
+    step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
+    the module docstring.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -167,7 +169,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
 
     # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
     # distribution at all.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu)
     from accelerate.utils import DistributedType
     if accelerator.distributed_type == DistributedType.FSDP:  # its sharded parameters would need another save
         raise NormswapError("heal does not support FSDP yet: launch with DDP (accelerate launch --multi_gpu)")
