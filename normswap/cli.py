@@ -70,7 +70,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune
     from pathlib import Path
 
     import normswap
-    from normswap.parity import compare
+    from normswap.parity import compare_to, reference_outputs
 
     if Path(out).exists() and not overwrite:
         raise NormswapError(f"{out} exists: pass --overwrite to replace it")
@@ -82,7 +82,10 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune
     texts = read_finetune_data(finetune_steps, data)
     model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
     model.to(device)
-    original = copy.deepcopy(model)
+    reference = reference_outputs(model)   # outputs before editing, not a copy of the model
+    # Healing distils from the unconverted model while training the converted one: both must exist at
+    # once, so this is the one copy, made only with --finetune-steps.
+    original = copy.deepcopy(model) if texts else None
     report = normswap.convert(model, to=to, method=method, p=p)
     if not report.converted:
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
@@ -91,7 +94,10 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune
     for w in report.warnings:  # on stderr, whatever the output format
         warn(w)
     healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
-    parity = compare(original, model)
+    parity = compare_to(reference, model)
+    if parity.nonfinite:  # never save a model that gives NaN/inf
+        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) {parity.output} "
+                            f"values on sample inputs (the original: {parity.ref_nonfinite}); nothing was saved")
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
     normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)

@@ -6,7 +6,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm, build_norm, norm_spec
-from normswap.ops import partial_width
+from normswap.ops import check_eps, partial_width
 from normswap.surgery.methods import get_method
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
@@ -67,6 +67,11 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
                               skipped=[vars(s) for s in skipped])
     if not sites:
         return report
+    for site in sites:  # before any edit: RMSNorm refuses eps <= 0 (NaN on an all-zero row)
+        try:
+            check_eps(site.eps)
+        except ValueError as e:
+            raise NormswapError(f"{site.name}: {e}") from None
     result = method_fn(model, sites)
     report.method = result.method
     report.added_biases = result.added_biases

@@ -24,15 +24,19 @@ A headless model's final norm keeps its bias after it the same way, without cent
 What changes: hidden states inside the model are the centred originals; logits (a headless model's last
 hidden state) are unchanged. Post-LN models (BERT...) have no exact form and are refused.
 
-Verification: the original is deep-copied first (twice the memory during conversion); once `convert`
-has swapped the norms, both run on sample inputs in fp32 and eval mode, and a max relative error above
-TOLERANCE raises NormswapError: 1e-4 for fp32 models; for fp16/bf16 models (run through fp32 copies) the
-rewritten weights are rounded when stored, measured at up to ~7e-4 / ~5e-3, so 2e-3 / 2e-2.
-The in-memory model stays modified then; the CLI saves only after success.
+Verification: no copy of the model is made. Before any weight is edited, the model's main outputs on
+sample inputs are recorded in fp32 (`parity.reference_outputs`); a source whose outputs are NaN/inf is
+refused then, untouched. Once `convert` has swapped the norms, the converted model runs on the same
+inputs and a max relative error above TOLERANCE, or any non-finite output, raises NormswapError:
+1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in place for both runs and cast back (a
+lossless round trip; peak memory is then the fp32 model), and since their rewritten weights are rounded
+when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 / 2e-2.
+When verification fails the in-memory model stays converted (centred, biases folded, norms swapped,
+config.normswap filled): discard it or reload; the CLI saves only after success.
 """
 from __future__ import annotations
 
-import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +44,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norms import PartialRMSNorm
-from normswap.parity import compare
+from normswap.parity import Reference, compare_to, reference_outputs
 from normswap.surgery.adapters import NotExact, adapter_for
 from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
@@ -150,7 +154,7 @@ def _tied(model: nn.Module, param: nn.Parameter) -> bool:
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` finishes and verifies the swapped model."""
 
-    def __init__(self, reference: nn.Module, fixes: dict, **kw):
+    def __init__(self, reference: Reference, fixes: dict, **kw):
         super().__init__("exact", **kw)
         self.reference, self.fixes = reference, fixes
 
@@ -164,20 +168,47 @@ class ExactResult(MethodResult):
             report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
                                    "exactly but the result is approximate (verification not enforced)")
         report.verification = verify(self.reference, model, enforce=not partial)
-        self.reference = None  # free the copy
+        self.reference = None  # free the recorded outputs
 
 
-def verify(reference: nn.Module, model: nn.Module, enforce: bool = True) -> dict:
-    """Compare outputs on sample inputs, both in fp32 and eval mode (a half model is checked through an
-    fp32 copy, so only the rounding of the rewritten weights counts); NormswapError beyond TOLERANCE."""
-    dtype = next(model.parameters()).dtype
-    training = model.training
-    probe = model if dtype in (torch.float32, torch.float64) else copy.deepcopy(model).float()
+@contextmanager
+def _fp32_eval(model: nn.Module):
+    """Run `model` with its fp16/bf16 tensors in fp32 and in eval mode, in place; restore dtypes and mode.
+
+    fp16/bf16 -> fp32 -> fp16/bf16 is exact, so the model comes back bit-identical without a copy."""
+    half = [t for t in [*model.parameters(), *model.buffers()] if t.dtype in (torch.float16, torch.bfloat16)]
+    dtypes, training = [t.dtype for t in half], model.training
     try:
-        parity = compare(reference.float().eval(), probe.eval())
+        for t in half:
+            t.data = t.data.float()
+        yield model.eval()
     finally:
+        for t, dtype in zip(half, dtypes):
+            t.data = t.data.to(dtype)
         model.train(training)
+
+
+def _reference(model: nn.Module) -> Reference:
+    """The unedited model's fp32 outputs; a source that gives NaN/inf cannot be called exact."""
+    with _fp32_eval(model):
+        ref = reference_outputs(model)
+    if ref.nonfinite:
+        raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
+                            "sample inputs: it is broken, so no conversion of it can be verified as exact")
+    return ref
+
+
+def verify(reference: Reference, model: nn.Module, enforce: bool = True) -> dict:
+    """Compare the converted model's outputs with the `reference` recorded before editing, in fp32 and
+    eval mode (only the rounding of the rewritten weights counts); NormswapError beyond TOLERANCE (when
+    `enforce`) and on any non-finite output (always)."""
+    dtype = next(model.parameters()).dtype
+    with _fp32_eval(model):
+        parity = compare_to(reference, model)
     tol = TOLERANCE.get(dtype, 1e-4)
+    if parity.nonfinite:
+        raise NormswapError(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
+                            f"non-finite (NaN/inf) {parity.output} values; nothing was saved")
     if enforce and not parity.max_rel <= tol:  # also catches NaN
         raise NormswapError(f"exact conversion failed verification: max relative {parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
@@ -186,7 +217,7 @@ def verify(reference: nn.Module, model: nn.Module, enforce: bool = True) -> dict
 
 @torch.no_grad()
 def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
-    reference = copy.deepcopy(model)
+    reference = _reference(model)   # before any edit: outputs, not a copy
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     for name in p.embeddings:
         layer = model.get_submodule(name)
