@@ -117,7 +117,10 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     r = ((y[4:] - b) * gz).sum(-1) / gz.pow(2).sum(-1)
     i = int((r - 2 ** -0.5).abs().argmin())
     r2, s = float(r[i]) ** 2, SCALES[i]
-    eps = max(0.0, (1 - r2) / (r2 / s ** 2 - 1 / big ** 2)) if 0 < r2 < 1 else 0.0
+    denom = r2 / s ** 2 - 1 / big ** 2
+    if not denom > 0:  # a(s) = s/big: the output scales with the input
+        raise NotLayerNorm("not a LayerNorm: its output is not normalised (it scales with the input)")
+    eps = max(0.0, (1 - r2) / denom) if r2 < 1 else 0.0
     own_eps = _attr_eps(module)
     if own_eps is not None and abs(own_eps - eps) <= 1e-2 * max(own_eps, eps) + 1e-18:
         eps = own_eps
