@@ -18,7 +18,8 @@ import safetensors.torch
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer)
 
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap.errors import NormswapError
@@ -37,6 +38,22 @@ def is_causal_lm(model_or_config) -> bool:
     if isinstance(model_or_config, nn.Module):
         names.append(type(model_or_config).__name__)
     return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+
+
+def auto_class(config):
+    """The Auto class that loads config.architectures' head: causal LM, (speech) seq2seq, image
+    classifier; AutoModel (no head) otherwise."""
+    if is_causal_lm(config):
+        return AutoModelForCausalLM
+    names = list(getattr(config, "architectures", None) or [])
+    candidates = {"ForConditionalGeneration": (AutoModelForSpeechSeq2Seq, AutoModelForSeq2SeqLM),
+                  "ForImageClassification": (AutoModelForImageClassification,)}
+    for suffix, classes in candidates.items():
+        if any(n.endswith(suffix) for n in names):
+            for cls in classes:
+                if type(config) in cls._model_mapping:
+                    return cls
+    return AutoModel
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -88,8 +105,7 @@ def load_model(src: str, dtype: str | None = None):
         if getattr(config, "normswap", None):
             model = from_pretrained(where, dtype=dtype)
         else:
-            cls = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
-            model = cls.from_pretrained(where, local_files_only=local,
+            model = auto_class(config).from_pretrained(where, local_files_only=local,
                                         dtype=DTYPES[dtype] if dtype else "auto")
     except NormswapError:
         raise

@@ -1,11 +1,14 @@
 """How far a converted model is from the original: max |Δ|, relative error, KL on sample inputs."""
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+
+from normswap.errors import NormswapError
 
 
 @dataclass
@@ -44,23 +47,65 @@ class Reference:
         return sum(int((~o.isfinite()).sum()) for o in self.outputs)
 
 
+def _cfg(config, key: str, default=None):
+    """config.key, else the same key in its text/vision/encoder/decoder sub-configs."""
+    for c in (config, *(getattr(config, k, None) for k in ("text_config", "vision_config", "encoder", "decoder"))):
+        if c is not None and getattr(c, key, None) is not None:
+            return getattr(c, key)
+    return default
+
+
+def _ids(config, shape, g, start: int | None = None) -> torch.Tensor:
+    ids = torch.randint(0, _cfg(config, "vocab_size"), shape, generator=g)
+    if start is not None:
+        ids[:, 0] = start
+    return ids
+
+
+def _length(config, seq: int, *keys: str) -> int:
+    limits = [v for k in keys if isinstance(v := _cfg(config, k), int)]
+    return min([seq, *limits])
+
+
 def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> list[dict]:
-    """A few deterministic inputs for `model`: token ids (with a padded batch) or pixel values."""
+    """A few deterministic inputs built from `model`'s signature and config: token ids (with a
+    right-padded batch), pixel values, Whisper-style log-mel features, and decoder ids for
+    encoder-decoders (starting with decoder_start_token_id)."""
     config = model.config
     g = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        shape = (batch, getattr(config, "num_channels", 3), config.image_size, config.image_size)
-        dtype = next(model.parameters()).dtype
-        return [{"pixel_values": torch.randn(shape, generator=g).to(device, dtype)}]
-    vocab = config.vocab_size
+    ref = next(model.parameters())
+    device, dtype = ref.device, ref.dtype if ref.is_floating_point() else torch.float32
+    params = inspect.signature(model.forward).parameters
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in ("input_ids", "pixel_values", "input_features"):
+        raise NormswapError(f"cannot build sample inputs for a model whose main input is '{main}'")
+    text = "input_ids" in params and main == "input_ids"
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False)) and "decoder_input_ids" in params
+    n = _length(config, seq * 2 + 1, "max_position_embeddings", "n_positions")
     out = []
-    for b, s in ((1, seq), (batch, seq * 2 + 1)):
-        ids = torch.randint(0, vocab, (b, s), generator=g)
-        mask = torch.ones(b, s, dtype=torch.long)
-        if b > 1:
-            mask[1:, s // 2:] = 0   # right-padded rows: padding must not matter
-        out.append({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+    # a single and a padded batch where there is text or a decoder; one batch of images or audio otherwise
+    for b, s in ((1, seq), (batch, n)) if text or seq2seq else ((batch, seq),):
+        s = min(s, n)
+        x: dict = {}
+        if text:
+            x["input_ids"] = _ids(config, (b, s), g)
+            x["attention_mask"] = torch.ones(b, s, dtype=torch.long)
+            if b > 1:
+                x["attention_mask"][1:, s // 2:] = 0   # right-padded rows: padding must not matter
+        if main == "pixel_values" or "pixel_values" in params and _cfg(config, "image_size"):
+            size = _cfg(config, "image_size")
+            h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+            x["pixel_values"] = torch.randn(b, _cfg(config, "num_channels", 3), h, w, generator=g).to(dtype)
+        if main == "input_features":   # Whisper: (batch, mel bins, 2 * encoder positions)
+            frames = 2 * _cfg(config, "max_source_positions", 1500)
+            x["input_features"] = torch.randn(b, _cfg(config, "num_mel_bins", 80), frames, generator=g).to(dtype)
+        if seq2seq:   # as long as the encoder input: compare's mask then covers both
+            start = getattr(config, "decoder_start_token_id", None)
+            d = _length(config, s, "max_target_positions", "max_position_embeddings")
+            x["decoder_input_ids"] = _ids(config, (b, d), g, start)
+            if d != s:
+                x.pop("attention_mask", None)
+        out.append({k: v.to(device) for k, v in x.items()})
     return out
 
 

@@ -16,12 +16,13 @@ DEFAULT_P = 0.0625
 
 
 def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
+    """The replacement, with the site's effective gain (weight + 1 for a "1P" norm); no gain if it is 1."""
     old = site.module
-    affine = getattr(old, "weight", None) is not None
+    affine = getattr(old, "weight", None) is not None or not bool((site.gain == 1).all())
     new = build_norm({"type": to, "width": site.width, "eps": site.eps, "p": p, "affine": affine}, like=old)
     if affine:
         with torch.no_grad():
-            new.weight.copy_(old.weight)
+            new.weight.copy_(site.gain.to(new.weight.device, new.weight.dtype))
     new.train(old.training)
     return new
 
