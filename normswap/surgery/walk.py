@@ -24,6 +24,10 @@ class NormSite:
         return int(self.module.normalized_shape[-1])
 
     @property
+    def gain(self) -> torch.Tensor | None:
+        return getattr(self.module, "weight", None)
+
+    @property
     def eps(self) -> float:
         return float(self.module.eps)
 
