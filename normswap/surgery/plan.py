@@ -70,13 +70,23 @@ def _uses(t: Trace, label: str) -> str:
     return ", ".join(sorted(t.uses[label])[:2])
 
 
+def _post_ln(t: Trace, name: str) -> str | None:
+    """Why the norm `name`, whose output is summed into the stream, cannot be exact (None: it can)."""
+    label = "norm:" + name
+    users = t.readers.get(name, []) + sorted(t.uses.get(label, ()))
+    if not users:
+        return None
+    if users == ["the model output"]:
+        return (f"the model output is the unnormalised residual stream (written by {name}); only outputs "
+                "read through a final norm can be kept exact")
+    return (f"{name} is post-LN: its output is added to the residual stream and also read by {users[0]}, "
+            "so the stream carries a mean that depends on the input")
+
+
 def _source_reason(model: nn.Module, t: Trace, norm: str, label: str) -> str | None:
     kind, _, name = label.partition(":")
     if kind == "norm":
-        if t.readers.get(name) or t.uses.get(label):
-            return (f"{name} is post-LN: its output is added to the residual stream that {norm} normalises, "
-                    f"and is also read by {', '.join(t.readers.get(name, [])[:1]) or _uses(t, label)}")
-        return None
+        return _post_ln(t, name)
     if t.uses.get(label):
         return f"{name} writes the input of {norm} but its output is also read unnormalised by {_uses(t, label)}"
     if kind == "layer" and not _centrable(model.get_submodule(name)):
@@ -100,9 +110,8 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
         p.reason = p.reason or next((r for r in (_source_reason(model, t, s.name, lb) for lb in p.sources) if r),
                                     None)
         label = "norm:" + s.name
-        if t.fed_norms.get(label) and (p.readers or t.uses.get(label)):
-            p.reason = p.reason or (f"{s.name} is post-LN: its output is added to the residual stream and read "
-                                    f"by {', '.join(p.readers[:1]) or _uses(t, label)}")
+        if t.fed_norms.get(label):
+            p.reason = p.reason or _post_ln(t, s.name)
         b = s.bias
         if b is None or not b.detach().any():
             p.bias = "none"
