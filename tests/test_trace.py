@@ -116,3 +116,21 @@ def test_refused_from_the_graph_with_the_norm_named(make, reason):
     with pytest.raises(NormswapError, match=reason):
         normswap.convert(model, method="exact")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # untouched
+
+
+def test_inspect_shows_the_traced_plan(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from normswap.cli import main
+    from _exact_models import build
+    build("gpt2").save_pretrained(tmp_path / "gpt2")
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "gpt2")]).output
+    assert "transformer.h.0.ln_1  LayerNorm" in shown and "(exact: bias folded)" in shown
+    assert "    sources: layer:transformer.wpe, layer:transformer.wte\n    readers: transformer.h.0.attn.c_attn" in shown
+    rows = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "gpt2"), "--json"]).output)["norms"]
+    final = next(r for r in rows if r["name"] == "transformer.ln_f")
+    assert final["plan"]["readers"] == ["lm_head"] and final["plan"]["bias"] == "fold"
+    assert len(final["plan"]["sources"]) == 6 and final["plan"]["reason"] is None   # wte, wpe, 2 x (attn, mlp)
+    _bert().save_pretrained(tmp_path / "bert")
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "bert")]).output
+    assert "    not exact: embeddings.LayerNorm is post-LN" in shown
