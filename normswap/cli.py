@@ -123,16 +123,21 @@ def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model
     from normswap.surgery import find_norms
-    from normswap.surgery.exact import exact_support
+    from normswap.surgery.exact import plan
+    from normswap.surgery.report import BIAS_FATE, plan_lines
 
     _output(as_json)
     model, _ = load_model(src, dtype_name(dtype))
     sites, skipped, rms = find_norms(model)
-    why_not = exact_support(model, sites)  # None: `--method exact` applies to every norm listed
-    bias_fate = " (naive drops the bias)" if why_not else " (exact: bias folded)"
+    traced = plan(model, sites) if sites else None   # one traced forward: sources, readers, bias fate
+    found, why_not = (traced.norms, traced.reason) if traced else ({}, None)
+
+    def fate(s):
+        return " (naive drops the bias)" if why_not else f" ({BIAS_FATE[found[s.name].bias]})"
     rows = [{"name": s.name, "type": type(s.module).__name__, "width": s.width, "eps": s.eps,
              "bias_norm": round(s.bias_norm, 6), "exact": why_not is None,
-             "action": "to RMSNorm" + (bias_fate if s.bias_norm > 0 else "")} for s in sites]
+             "action": "to RMSNorm" + (fate(s) if s.bias_norm > 0 else ""),
+             "plan": {k: v for k, v in vars(found[s.name]).items() if k not in ("name", "width")}} for s in sites]
     rows += [{"name": n, "type": type(model.get_submodule(n)).__name__, "action": "already RMSNorm: kept"}
              for n in rms]
     rows += [{"name": s.name, "type": s.cls, "action": f"skipped: {s.reason}"} for s in skipped]
@@ -146,6 +151,8 @@ def inspect(src, as_json, dtype):
     for r in rows:
         extra = f" width={r['width']} eps={r['eps']:g} |bias|={r['bias_norm']:.4g}" if "width" in r else ""
         click.echo(f"  {r['name'] or '(root)'}  {r['type']}{extra}  -> {r['action']}")
+        if "plan" in r:
+            click.echo("\n".join(plan_lines(found[r["name"]])))
 
 
 from normswap.cli_heal import eval_cmd, heal  # noqa: E402  (heal and eval live in their own module)

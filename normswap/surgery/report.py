@@ -59,3 +59,19 @@ class ConversionReport:
         return "\n".join(out)
 
     __str__ = to_table
+
+
+BIAS_FATE = {"fold": "exact: bias folded", "after": "exact: bias kept after the norm",
+             "stream": "exact: output centred, bias kept after", "none": "exact"}
+
+
+def _short(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" +{len(names) - n} more" if len(names) > n else "") if names else "-"
+
+
+def plan_lines(norm_plan) -> list[str]:
+    """What the trace found for one norm (a plan.NormPlan), as indented lines for `inspect`."""
+    lines = [f"    sources: {_short(norm_plan.sources)}", f"    readers: {_short(norm_plan.readers)}"]
+    if norm_plan.reason:
+        lines.append(f"    not exact: {norm_plan.reason}")
+    return lines
