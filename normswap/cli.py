@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
@@ -63,6 +64,7 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @DTYPE
+@load_options
 @click.option("--finetune-steps", type=click.IntRange(min=0), default=0,
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
@@ -110,6 +112,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True)
 @DTYPE
+@load_options
 def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
@@ -70,6 +71,7 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@load_options
 def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed, as_json):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
@@ -109,6 +111,7 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
 @click.option("--stride", type=click.IntRange(min=1), default=None, help="Default: seq-len // 2.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@load_options
 def eval_cmd(src, data, reference, seq_len, stride, batch_size, as_json):
     """Perplexity of SRC (sliding window), and agreement with --reference."""
     from normswap.evaluate import evaluate

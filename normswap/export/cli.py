@@ -5,6 +5,8 @@ import json
 
 import click
 
+from normswap.cli_load import load_options
+
 
 @click.command("export")
 @click.argument("src")
@@ -16,6 +18,7 @@ import click
 @click.option("--opset", type=int, default=None, help="ONNX opset (ort: 18-23, default 18; onnx23: 23).")
 @click.option("--overwrite", is_flag=True, help="Replace FILE if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@load_options
 def export(src, onnx_path, target, fp16, with_past, opset, overwrite, as_json):
     """Export SRC (folder, Hub id or normswap-demo; converted or not) to ONNX and validate it in ORT."""
     import normswap
