@@ -1,6 +1,7 @@
 """Loading refuses what would give a wrong model or run someone else's code (issue 13: 2, 3, 8, 9, 10)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,12 +104,20 @@ def test_config_with_fewer_layers_reports_unexpected(gpt2_dir):
 
 # -- 13.9: a converted folder whose weights do not match -------------------------------------------
 
-@pytest.fixture
-def converted(tmp_path):
+@pytest.fixture(scope="module")
+def converted_once(tmp_path_factory):
     model = tiny_model("gpt2")
     normswap.convert(model, to="rmsnorm", method="exact")
-    normswap.save_pretrained(model, tmp_path / "conv")
-    return tmp_path / "conv", model
+    folder = tmp_path_factory.mktemp("conv") / "conv"
+    normswap.save_pretrained(model, folder)
+    return folder, model
+
+
+@pytest.fixture
+def converted(converted_once, tmp_path):
+    """A fresh copy of one exact-converted GPT-2 folder (each test edits its own)."""
+    folder, model = converted_once
+    return Path(shutil.copytree(folder, tmp_path / "conv")), model
 
 
 def test_from_pretrained_names_missing_and_unexpected_tensors(converted):
@@ -222,27 +231,23 @@ def _custom_code_folder(folder: Path, marker: Path, model_type: str) -> None:
         "AutoModelForCausalLM": "modeling_x.XModel"}))
 
 
-def _cli(*args, stdin="y\n"):
-    env = dict(os.environ, PYTHONPATH=str(Path(normswap.__file__).parent.parent), HF_HUB_OFFLINE="1")
+def _cli(tmp_path, *args, stdin: str):
+    """`normswap ARGS` in a fresh process, stdin a pipe (where transformers would prompt)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(normswap.__file__).parent.parent), HF_HUB_OFFLINE="1",
+               HF_MODULES_CACHE=str(tmp_path / "modules"))  # trusted code is copied there, not to ~/.cache
     return subprocess.run([sys.executable, "-m", "normswap", *map(str, args)], input=stdin, text=True,
                           capture_output=True, env=env, timeout=120)
 
 
-def test_remote_code_never_runs_without_the_flag(tmp_path):
-    marker = tmp_path / "marker"
-    _custom_code_folder(tmp_path / "src", marker, "x-custom")
-    result = _cli("inspect", tmp_path / "src")
-    assert not marker.exists(), "the folder's code ran"
+def test_remote_code_runs_only_with_the_flag(tmp_path):
+    _custom_code_folder(tmp_path / "src", tmp_path / "marker", "x-custom")
+    result = _cli(tmp_path, "inspect", tmp_path / "src", stdin="y\n")
+    assert not (tmp_path / "marker").exists(), "the folder's code ran without --trust-remote-code"
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0 and "--trust-remote-code" in result.stderr, result.stderr
     assert "[y/N]" not in result.stdout + result.stderr
-
-
-def test_trust_remote_code_flag_runs_it(tmp_path):
-    marker = tmp_path / "marker"
-    _custom_code_folder(tmp_path / "src", marker, "x-custom")
-    result = _cli("inspect", tmp_path / "src", "--trust-remote-code", stdin="")
-    assert marker.exists() and result.returncode == 0, result.stderr
+    result = _cli(tmp_path, "inspect", tmp_path / "src", "--trust-remote-code", stdin="")
+    assert (tmp_path / "marker").exists() and result.returncode == 0, result.stderr
 
 
 def test_normswap_folder_with_auto_map_loads_without_its_code(converted, tmp_path):
@@ -258,7 +263,6 @@ def test_normswap_folder_with_auto_map_loads_without_its_code(converted, tmp_pat
     assert type(loaded).__name__ == "GPT2LMHeadModel"
     inputs = torch.tensor([[5, 6, 7]])
     assert torch.equal(loaded(inputs).logits, model(inputs).logits)
-    assert _cli("inspect", folder).returncode == 0 and not marker.exists()
 
 
 # -- 13.10: output folders honour the umask ---------------------------------------------------------------
