@@ -121,8 +121,8 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool | Non
         raise
     except Exception as e:  # transformers raises many types; users get one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if not trust and local and "auto_map" in read_config(where):
-            msg = ("it ships its own Python code (auto_map in config.json), which normswap does not run "
+        if not trust and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
+            msg = ("it ships its own Python code (auto_map), which normswap does not run "
                    f"without --trust-remote-code ({msg})")
         raise NormswapError(f"cannot load model from {src}: {msg}") from None
     return model.eval(), load_tokenizer(where, local, trust)

@@ -265,6 +265,24 @@ def test_normswap_folder_with_auto_map_loads_without_its_code(converted, tmp_pat
     assert torch.equal(loaded(inputs).logits, model(inputs).logits)
 
 
+class _Payload:
+    """A pickle that writes a file when loaded: what a hostile pytorch_model.bin can hold."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.marker), "ran"))
+
+
+def test_pickled_checkpoint_is_loaded_weights_only(tmp_path):
+    tiny_model("gpt2").config.save_pretrained(tmp_path / "src")
+    torch.save({"transformer.wte.weight": _Payload(tmp_path / "marker")}, tmp_path / "src" / "pytorch_model.bin")
+    with pytest.raises(NormswapError, match="cannot load model from"):
+        load_model(str(tmp_path / "src"))
+    assert not (tmp_path / "marker").exists()
+
+
 # -- 13.10: output folders honour the umask ---------------------------------------------------------------
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX modes")
