@@ -8,6 +8,7 @@ import sys
 import click
 
 from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output, warn
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
@@ -61,6 +62,7 @@ def _methods() -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @dtype_option
 @device_option
+@load_options
 @click.option("--finetune-steps", type=click.IntRange(min=0), default=0,
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
@@ -119,6 +121,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True)
 @dtype_option
+@load_options
 def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
@@ -78,6 +79,7 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @dtype_option
 @device_option
+@load_options
 @click.pass_context
 def heal(ctx, src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed,
          as_json, dtype, device):
@@ -128,6 +130,7 @@ def heal(ctx, src, teacher_src, data, steps, out, overwrite, train, objective, s
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @dtype_option
 @device_option
+@load_options
 @click.pass_context
 def eval_cmd(ctx, src, data, reference, seq_len, stride, batch_size, as_json, dtype, device):
     """Perplexity of SRC (sliding window), and agreement with --reference."""

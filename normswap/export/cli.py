@@ -6,6 +6,7 @@ import json
 import click
 
 from normswap.cli_options import device_option, resolve_device, setup_output
+from normswap.cli_load import load_options
 
 
 @click.command("export")
@@ -21,6 +22,7 @@ from normswap.cli_options import device_option, resolve_device, setup_output
 @click.option("--opset", type=int, default=None, help="ONNX opset (ort: 18-23, default 18; onnx23: 23).")
 @click.option("--overwrite", is_flag=True, help="Replace FILE if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
+@load_options
 @click.pass_context
 def export(ctx, src, onnx_path, target, dtype, fp16, device, with_past, opset, overwrite, as_json):
     """Export SRC (folder, Hub id or normswap-demo; converted or not) to ONNX and validate it in ORT.
