@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
@@ -59,7 +58,9 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @click.option("--data", multiple=True, type=click.Path(), help="Text file or folder of .txt (repeatable).")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once healing completes).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if normswap wrote it or it is empty (only once healing completes).")
+@click.option("--overwrite-any", is_flag=True, help="Replace OUT even if normswap did not write it.")
 @click.option("--train", type=click.Choice(["norms", "all"]), default="norms", show_default=True,
               help="norms: only norm gains/biases; all: every parameter.")
 @click.option("--objective", type=click.Choice(["kd", "lm"]), default="kd", show_default=True,
@@ -70,16 +71,18 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed, as_json):
+def heal(src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr, seed, as_json):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
     """
+    from normswap.atomic import check_output, check_replaceable
     from normswap.heal import heal as run_heal
     from normswap.textdata import read_texts
 
-    if Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    overwrite = "any" if overwrite_any else overwrite
+    check_output(out, [("SRC", src), ("--teacher", teacher_src)] + [("--data", d) for d in data])
+    check_replaceable(out, overwrite)
     if objective == "kd" and not teacher_src:
         raise NormswapError("--teacher ORIG is required for distillation (or use --objective lm)")
     if not data:

@@ -14,14 +14,19 @@ import click
 @click.option("--fp16", is_flag=True, help="fp16 weights and activations (norm statistics stay fp32).")
 @click.option("--with-past", is_flag=True, help="Decoder with past key/values in and out, for generation.")
 @click.option("--opset", type=int, default=None, help="ONNX opset (ort: 18-23, default 18; onnx23: 23).")
-@click.option("--overwrite", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace FILE if it is an ONNX file normswap exported.")
+@click.option("--overwrite-any", is_flag=True, help="Replace FILE whatever it is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
-def export(src, onnx_path, target, fp16, with_past, opset, overwrite, as_json):
+def export(src, onnx_path, target, fp16, with_past, opset, overwrite, overwrite_any, as_json):
     """Export SRC (folder, Hub id or normswap-demo; converted or not) to ONNX and validate it in ORT."""
     import normswap
     from normswap.export import _check_args
 
+    from normswap.atomic import check_output
+
     _check_args(target, opset)  # fail before the (slow) load
+    check_output(onnx_path, [("SRC", src)])
+    overwrite = "any" if overwrite_any else overwrite
     model, _ = normswap.io.load_model(src)
     report = normswap.export_onnx(model, onnx_path, target=target, fp16=fp16, with_past=with_past,
                                   opset=opset, overwrite=overwrite)
