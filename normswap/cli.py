@@ -1,4 +1,4 @@
-"""`normswap` command line: a thin shell over the Python API. Errors are one line and exit 1."""
+"""`normswap` command line: a thin shell over the Python API. Errors are one line: exit 1, usage 2."""
 from __future__ import annotations
 
 import copy
@@ -12,22 +12,60 @@ from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
 class _Group(click.Group):
-    """Turns every failure into one line on stderr and a non-zero exit, never a traceback."""
+    """Turns every failure into one line on stderr and a non-zero exit, never a traceback.
+
+    Exit codes: 1 runtime errors, 2 usage errors (bad options), 130 Ctrl-C, 143 SIGTERM.
+    """
+
+    def main(self, *args, standalone_mode=True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:  # click would print usage + a hint + the error: three lines
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            click.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"error: {_one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
+        import signal
+        import threading
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_term = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+        from normswap.atomic import written
+        written.clear()  # what this command writes, for the interrupt message
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except NormswapError as e:
             click.echo(f"error: {e}", err=True)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            done = f"{', '.join(written)} written" if written else "nothing was written"
+            click.echo(f"interrupted: {done}", err=True)
+            sys.exit(128 + (e.args[0] if e.args and isinstance(e.args[0], int) else 2))
         except Exception as e:  # a bug of ours, still reported in one line
             msg = str(e).splitlines()[0] if str(e) else ""
             click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
         sys.exit(1)
 
 
@@ -52,13 +90,18 @@ def _methods() -> list[str]:
     return available_methods()
 
 
+OVERWRITE_ANY = click.option("--overwrite-any", is_flag=True,
+                              help="Replace OUT even if normswap did not write it (its files are deleted).")
+
+
 @main.command()
 @click.argument("src")
 @click.option("--to", "to", type=click.Choice(["rmsnorm", "prmsnorm"]), required=True)
 @click.option("--p", "p", type=float, default=None, help="pRMSNorm fraction of features (default 0.0625).")
 @click.option("--method", type=click.Choice(_methods()), default="auto", show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if normswap wrote it (or it is empty).")
+@OVERWRITE_ANY
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @dtype_option
 @device_option
@@ -67,15 +110,23 @@ def _methods() -> list[str]:
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
 @click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
-def convert(src, to, p, method, out, overwrite, as_json, dtype, device, finetune_steps, data, onnx_path=None):
+def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, device, finetune_steps, data,
+            onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     from pathlib import Path
 
     import normswap
     from normswap.parity import compare_to, reference_outputs
 
-    if Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    from normswap.atomic import check_output, check_replaceable
+    overwrite = "any" if overwrite_any else overwrite
+    inputs = [("SRC", src)] + [("--data", d) for d in data]
+    check_output(out, inputs)
+    check_replaceable(out, overwrite)
+    if onnx_path:
+        check_output(onnx_path, inputs + [("OUT", out)])
+        if check_output(out) in check_output(onnx_path).parents:
+            raise NormswapError(f"--onnx {onnx_path} is inside OUT {out}: saving OUT would delete it")
     if onnx_path and Path(onnx_path).exists() and not overwrite:
         raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
     from normswap.cli_heal import heal_after_convert, read_finetune_data

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
@@ -66,7 +65,9 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @click.option("--data", multiple=True, type=click.Path(), help="Text file or folder of .txt (repeatable).")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once healing completes).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if normswap wrote it or it is empty (only once healing completes).")
+@click.option("--overwrite-any", is_flag=True, help="Replace OUT even if normswap did not write it.")
 @click.option("--train", type=click.Choice(["norms", "all"]), default="norms", show_default=True,
               help="norms: only norm gains/biases; all: every parameter.")
 @click.option("--objective", type=click.Choice(["kd", "lm"]), default="kd", show_default=True,
@@ -81,7 +82,7 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @device_option
 @load_options
 @click.pass_context
-def heal(ctx, src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed,
+def heal(ctx, src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr, seed,
          as_json, dtype, device):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
@@ -89,14 +90,15 @@ def heal(ctx, src, teacher_src, data, steps, out, overwrite, train, objective, s
     Under `accelerate launch` the processes (and their devices) are Accelerate's; --device cpu keeps
     them on the CPU (gloo).
     """
+    from normswap.atomic import check_output, check_replaceable
     from normswap.heal import heal as run_heal
     from normswap.textdata import read_texts
 
     setup_output(ctx.obj["verbosity"], as_json)
     device = resolve_device(device)
-
-    if Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    overwrite = "any" if overwrite_any else overwrite
+    check_output(out, [("SRC", src), ("--teacher", teacher_src)] + [("--data", d) for d in data])
+    check_replaceable(out, overwrite)
     if objective == "kd" and not teacher_src:
         raise NormswapError("--teacher ORIG is required for distillation (or use --objective lm)")
     if not data:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normswap.atomic import check_replaceable
 from normswap.errors import NormswapError
 from normswap.io import is_causal_lm
 from normswap.norms import is_rms_norm
@@ -120,8 +121,8 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
             student.config, "vocab_size", None):
         raise NormswapError(f"teacher vocabulary ({teacher.config.vocab_size}) differs from the "
                             f"student's ({student.config.vocab_size})")
-    if out is not None and Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    if out is not None:  # before training, not after
+        check_replaceable(out, overwrite)
 
 
 def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:

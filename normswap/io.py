@@ -11,10 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer)
 
+from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap import schema
 from normswap.errors import NormswapError
@@ -180,44 +179,11 @@ def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = Fal
     return tokenizer if len(tokenizer) > 0 else None
 
 
-@contextlib.contextmanager
-def atomic_dir(out: str | Path, overwrite: bool = False):
-    """Yield a temp folder beside `out`; on success it replaces `out`, on failure it is removed."""
-    out = Path(out).expanduser()
-    if out.exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise NormswapError(f"{out} exists and is not a folder")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
-        _apply_umask(tmp)
-    except OSError as e:
-        raise NormswapError(f"cannot write to {parent}: {e.strerror}") from None
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _apply_umask(path: Path) -> None:
-    """mkdtemp makes 0700 folders; a saved model gets the mode a plain mkdir would (0755 under umask 022)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o777 & ~mask)
-
-
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer)."""
+    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer).
+
+    overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
+    """
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)

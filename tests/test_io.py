@@ -70,7 +70,9 @@ def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
     with pytest.raises(NormswapError, match="exists: pass --overwrite"):
         normswap.save_pretrained(model, out)
     assert (out / "keep.txt").read_text() == "precious"
-    normswap.save_pretrained(model, out, overwrite=True)
+    with pytest.raises(NormswapError, match="not written by normswap"):  # not ours: needs "any"
+        normswap.save_pretrained(model, out, overwrite=True)
+    normswap.save_pretrained(model, out, overwrite="any")
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
 
 
@@ -85,7 +87,7 @@ def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):
         raise OSError("disk full")
     monkeypatch.setattr(safetensors.torch, "save_model", broken)
     with pytest.raises(OSError, match="disk full"):
-        normswap.save_pretrained(model, out, overwrite=True)
+        normswap.save_pretrained(model, out, overwrite="any")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     assert (out / "keep.txt").read_text() == "precious"
 

@@ -20,11 +20,12 @@ from normswap.cli_load import load_options
 @device_option
 @click.option("--with-past", is_flag=True, help="Decoder with past key/values in and out, for generation.")
 @click.option("--opset", type=int, default=None, help="ONNX opset (ort: 18-23, default 18; onnx23: 23).")
-@click.option("--overwrite", is_flag=True, help="Replace FILE if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace FILE if it is an ONNX file normswap exported.")
+@click.option("--overwrite-any", is_flag=True, help="Replace FILE whatever it is.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @load_options
 @click.pass_context
-def export(ctx, src, onnx_path, target, dtype, fp16, device, with_past, opset, overwrite, as_json):
+def export(ctx, src, onnx_path, target, dtype, fp16, device, with_past, opset, overwrite, overwrite_any, as_json):
     """Export SRC (folder, Hub id or normswap-demo; converted or not) to ONNX and validate it in ORT.
 
     --device is where PyTorch traces and computes the reference; onnxruntime validates on its CPU provider.
@@ -35,7 +36,10 @@ def export(ctx, src, onnx_path, target, dtype, fp16, device, with_past, opset, o
     setup_output(ctx.obj["verbosity"], as_json)
     fp16 = fp16 or dtype == "fp16"
     device = resolve_device(device)
+    from normswap.atomic import check_output
     _check_args(target, opset)  # fail before the (slow) load
+    check_output(onnx_path, [("SRC", src)])
+    overwrite = "any" if overwrite_any else overwrite
     model, _ = normswap.io.load_model(src)
     model.to(device)
     report = normswap.export_onnx(model, onnx_path, target=target, fp16=fp16, with_past=with_past,
