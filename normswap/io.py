@@ -18,10 +18,11 @@ import safetensors.torch
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap.errors import NormswapError
+from normswap.hub import load_config, make_self_describing
 from normswap.norms import build_norm
 from normswap.surgery.centring import apply_output_fixes
 from normswap.surgery.walk import ensure_bias, replace_module
@@ -84,7 +85,7 @@ def load_model(src: str, dtype: str | None = None):
     if src == DEMO_NAME and dtype is None:
         dtype = "float32"
     try:
-        config = AutoConfig.from_pretrained(where, local_files_only=local)
+        config = load_config(where, local_files_only=local)  # old and self-describing folders alike
         if getattr(config, "normswap", None):
             model = from_pretrained(where, dtype=dtype)
         else:
@@ -149,6 +150,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     with atomic_dir(out, overwrite) as tmp:
         model.config.save_pretrained(tmp)
+        make_self_describing(tmp, model)  # modeling file + auto_map: loads without normswap
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
@@ -171,7 +173,7 @@ def apply_structure(model: nn.Module, section: dict) -> None:
 def from_pretrained(path: str | Path, dtype: str | None = None) -> nn.Module:
     """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only)."""
     path = Path(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    config = load_config(str(path), local_files_only=True)  # never runs the folder's modeling file
     section = getattr(config, "normswap", None)
     if not section:
         raise NormswapError(f"{path} was not saved by normswap (no 'normswap' section in config.json)")

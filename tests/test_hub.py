@@ -1,0 +1,176 @@
+"""Converted folders load in plain transformers (trust_remote_code=True) exactly as in normswap, and
+refuse to load without it; normswap itself reads old and new folders without running their code."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import normswap
+import normswap.io
+from normswap.hub import MODELING_FILE
+from normswap.hub import template
+
+from conftest import tiny_model
+
+IDS = [[5, 17, 30, 42, 7, 91, 12, 8]]  # < 97: valid for the tiny models too
+
+# Runs where normswap cannot be imported: blocked in sys.modules, repo not on the path, cwd elsewhere.
+CHILD = r'''
+import json, sys
+sys.modules["normswap"] = None
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, pipeline
+jobs, out = json.load(open(sys.argv[1])), {}
+for folder, kind in jobs.items():
+    auto = AutoModelForCausalLM if kind == "causal" else AutoModel
+    refused = []
+    for trust in (False, None):  # None: transformers asks on stdin, which is not a terminal here
+        try:
+            auto.from_pretrained(folder, trust_remote_code=trust)
+            refused.append("loaded")
+        except Exception as e:
+            refused.append(str(e))
+    model = auto.from_pretrained(folder, trust_remote_code=True).eval()
+    ids = torch.tensor(json.load(open(sys.argv[2])))
+    with torch.no_grad():
+        res = {"refused": refused, "cls": type(model).__name__}
+        if kind == "causal":
+            res["out"] = model(ids).logits.double().tolist()
+            res["gen"] = model.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+            if "pipe" in folder:
+                pipe = pipeline("text-generation", model=folder, trust_remote_code=True)
+                res["text"] = pipe("It is a truth", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+        else:
+            res["out"] = model(ids).last_hidden_state.double().tolist()
+    out[folder] = res
+json.dump(out, open("result.json", "w"))
+'''
+
+
+def run_without_normswap(tmp_path, jobs: dict) -> dict:
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    (tmp_path / "ids.json").write_text(json.dumps(IDS))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "child.py", "jobs.json", "ids.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def test_loads_without_normswap_exactly(tmp_path):
+    demo, tok = normswap.load_model("normswap-demo")
+    jobs, expected = {}, {}
+    for method, to in (("exact", "rmsnorm"), ("naive", "rmsnorm"), ("naive", "prmsnorm")):
+        model, _ = normswap.load_model("normswap-demo")
+        normswap.convert(model, to=to, method=method, p=0.25 if to == "prmsnorm" else None)
+        folder = f"{method}-{to}" + ("-pipe" if method == "exact" else "")
+        normswap.save_pretrained(model, tmp_path / folder, tokenizer=tok)
+        jobs[folder] = "causal"
+    bert = tiny_model("bert")
+    normswap.convert(bert, method="naive")
+    normswap.save_pretrained(bert, tmp_path / "bert")
+    jobs["bert"] = "encoder"
+
+    got = run_without_normswap(tmp_path, jobs)
+    ids = torch.tensor(IDS)
+    for folder, kind in jobs.items():
+        ref = normswap.from_pretrained(tmp_path / folder)
+        res = got[folder]
+        assert res["cls"].startswith("Normswap")
+        for message in res["refused"]:  # an exception, not a model
+            assert message != "loaded" and "trust_remote_code=True" in message
+        with torch.no_grad():
+            if kind == "causal":
+                want = ref(ids).logits.double()
+                gen = ref.generate(ids, max_new_tokens=8, do_sample=False)
+                assert res["gen"] == gen.tolist()
+            else:
+                want = ref(ids).last_hidden_state.double()
+        assert (torch.tensor(res["out"], dtype=torch.float64) - want).abs().max() <= 1e-6
+    # The converted models differ from the original, so matching them above is not vacuous ...
+    with torch.no_grad():
+        original = demo(ids).logits.double()
+    assert (torch.tensor(got["naive-rmsnorm"]["out"]) - original).abs().max() > 1e-2
+    # ... and the pipeline writes what normswap's model generates.
+    ref = normswap.from_pretrained(tmp_path / "exact-rmsnorm-pipe")
+    prompt = tok("It is a truth", return_tensors="pt").input_ids
+    text = tok.decode(ref.generate(prompt, max_new_tokens=8, do_sample=False)[0])
+    assert got["exact-rmsnorm-pipe"]["text"] == text
+
+
+def test_folder_layout(tmp_path):
+    model = tiny_model("gpt2")
+    normswap.convert(model, method="exact")
+    normswap.save_pretrained(model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["model_type"] == "normswap_gpt2"
+    assert config["architectures"] == ["NormswapGPT2LMHeadModel"]
+    assert config["normswap"]["original"] == {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+    assert config["auto_map"]["AutoConfig"] == "modeling_normswap.NormswapGPT2Config"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_normswap.NormswapGPT2LMHeadModel"
+    assert "AutoModel" not in config["auto_map"]  # a head's tied weights would leave the base incomplete
+    source = (tmp_path / "m" / MODELING_FILE).read_text()
+    assert "import normswap" not in source and "from normswap" not in source
+    # In memory the section is what convert recorded: "original" only lives on disk.
+    loaded = normswap.from_pretrained(tmp_path / "m")
+    assert loaded.config.model_type == "gpt2" and loaded.config.normswap == json.loads(
+        json.dumps(model.config.normswap))
+    # Saving a loaded model again gives the same config.
+    normswap.save_pretrained(loaded, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == config
+
+
+def test_unconverted_model_stays_plain(tmp_path):
+    normswap.save_pretrained(tiny_model("gpt2"), tmp_path / "m")
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "gpt2"
+    assert not (tmp_path / "m" / MODELING_FILE).exists()
+
+
+def test_normswap_never_runs_the_modeling_file(tmp_path):
+    model, tok = normswap.load_model("normswap-demo")
+    normswap.convert(model, method="exact")
+    normswap.save_pretrained(model, tmp_path / "m", tokenizer=tok)
+    (tmp_path / "m" / MODELING_FILE).write_text("raise RuntimeError('executed')\n")
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        want = model(ids).logits
+        assert torch.equal(normswap.from_pretrained(tmp_path / "m")(ids).logits, want)
+        assert torch.equal(normswap.load_model(str(tmp_path / "m"))[0](ids).logits, want)
+
+
+def test_old_layout_still_loads(tmp_path, monkeypatch):
+    model = tiny_model("opt")
+    normswap.convert(model, method="exact")
+    monkeypatch.setattr(normswap.io, "make_self_describing", lambda folder, model: None)  # today's layout
+    normswap.save_pretrained(model, tmp_path / "old")
+    config = json.loads((tmp_path / "old" / "config.json").read_text())
+    assert config["model_type"] == "opt" and "auto_map" not in config
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert torch.equal(normswap.from_pretrained(tmp_path / "old")(ids).logits, model(ids).logits)
+        assert torch.equal(normswap.load_model(str(tmp_path / "old"))[0](ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("p", [None, 0.25])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_template_norm_matches_normswap(p, dtype):
+    """The shipped RMSNorm computes what normswap's does (no drift), against an fp64 reference."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 48, generator=g) * 4 + 1).to(dtype)
+    w = torch.rand(48, generator=g) + 0.5
+    ours = (normswap.PartialRMSNorm(48, p=p, eps=1e-5) if p else normswap.RMSNorm(48, eps=1e-5)).to(dtype)
+    shipped = template.RMSNorm(48, eps=1e-5, p=p).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        shipped.weight.copy_(w)
+    k = 12 if p else 48
+    xd = x.double()
+    ref = xd / torch.sqrt(xd[..., :k].pow(2).mean(-1, keepdim=True) + 1e-5) * w.to(dtype).double()
+    assert torch.equal(shipped(x), ours(x))
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert ((shipped(x).double() - ref).abs() / ref.abs().clamp_min(1)).max() <= tol
