@@ -108,7 +108,9 @@ def load_tokenizer(where: str, local: bool = True):
     if local and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
+        # The original config: AutoTokenizer would otherwise read a converted folder's normswap_* model_type.
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local,
+                                                  config=load_config(where, local_files_only=local))
     except Exception:
         return None
     return tokenizer if len(tokenizer) > 0 else None

@@ -1,5 +1,6 @@
 """Converted folders load in plain transformers (trust_remote_code=True) exactly as in normswap, and
 refuse to load without it; normswap itself reads old and new folders without running their code."""
+import copy
 import json
 import os
 import subprocess
@@ -10,8 +11,8 @@ import torch
 
 import normswap
 import normswap.io
-from normswap.hub import MODELING_FILE
-from normswap.hub import template
+from normswap.demo import DEMO_DIR
+from normswap.hub import MODELING_FILE, template
 
 from conftest import tiny_model
 
@@ -43,6 +44,7 @@ for folder, kind in jobs.items():
             if "pipe" in folder:
                 pipe = pipeline("text-generation", model=folder, trust_remote_code=True)
                 res["text"] = pipe("It is a truth", max_new_tokens=8, do_sample=False)[0]["generated_text"]
+                model.save_pretrained(folder + "-resaved")  # a colleague fine-tunes and saves with transformers
         else:
             res["out"] = model(ids).last_hidden_state.double().tolist()
     out[folder] = res
@@ -56,7 +58,7 @@ def run_without_normswap(tmp_path, jobs: dict) -> dict:
     (tmp_path / "ids.json").write_text(json.dumps(IDS))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "child.py", "jobs.json", "ids.json"], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "child.py", "jobs.json", "ids.json"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "result.json").read_text())
@@ -66,7 +68,7 @@ def test_loads_without_normswap_exactly(tmp_path):
     demo, tok = normswap.load_model("normswap-demo")
     jobs, expected = {}, {}
     for method, to in (("exact", "rmsnorm"), ("naive", "rmsnorm"), ("naive", "prmsnorm")):
-        model, _ = normswap.load_model("normswap-demo")
+        model = copy.deepcopy(demo)
         normswap.convert(model, to=to, method=method, p=0.25 if to == "prmsnorm" else None)
         folder = f"{method}-{to}" + ("-pipe" if method == "exact" else "")
         normswap.save_pretrained(model, tmp_path / folder, tokenizer=tok)
@@ -101,6 +103,10 @@ def test_loads_without_normswap_exactly(tmp_path):
     prompt = tok("It is a truth", return_tensors="pt").input_ids
     text = tok.decode(ref.generate(prompt, max_new_tokens=8, do_sample=False)[0])
     assert got["exact-rmsnorm-pipe"]["text"] == text
+    # normswap reads a folder re-saved by transformers (generated classes in config.json) as the same model.
+    with torch.no_grad():
+        assert torch.equal(normswap.from_pretrained(tmp_path / "exact-rmsnorm-pipe-resaved")(ids).logits,
+                           ref(ids).logits)
 
 
 def test_folder_layout(tmp_path):
@@ -131,16 +137,23 @@ def test_unconverted_model_stays_plain(tmp_path):
     assert not (tmp_path / "m" / MODELING_FILE).exists()
 
 
-def test_normswap_never_runs_the_modeling_file(tmp_path):
-    model, tok = normswap.load_model("normswap-demo")
+def test_normswap_never_runs_the_modeling_file(tmp_path, monkeypatch):
+    model = tiny_model("gpt2")
     normswap.convert(model, method="exact")
+    tok = normswap.io.load_tokenizer(str(DEMO_DIR))
     normswap.save_pretrained(model, tmp_path / "m", tokenizer=tok)
     (tmp_path / "m" / MODELING_FILE).write_text("raise RuntimeError('executed')\n")
+    prompts = []  # transformers asks "Do you wish to run the custom code?" on a terminal
+    monkeypatch.setattr("builtins.input", lambda *a: prompts.append(a) or "n")
     ids = torch.tensor(IDS)
     with torch.no_grad():
         want = model(ids).logits
         assert torch.equal(normswap.from_pretrained(tmp_path / "m")(ids).logits, want)
-        assert torch.equal(normswap.load_model(str(tmp_path / "m"))[0](ids).logits, want)
+        loaded, loaded_tok = normswap.load_model(str(tmp_path / "m"))
+        assert torch.equal(loaded(ids).logits, want)
+    # The tokenizer is found through the original config: no prompt for custom code.
+    assert loaded_tok is not None and loaded_tok("It is") == tok("It is")
+    assert prompts == []
 
 
 def test_old_layout_still_loads(tmp_path, monkeypatch):
