@@ -58,8 +58,8 @@ def run_without_normswap(tmp_path, jobs: dict) -> dict:
     (tmp_path / "ids.json").write_text(json.dumps(IDS))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "child.py", "jobs.json", "ids.json"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "child.py", "jobs.json", "ids.json"], cwd=tmp_path, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / "result.json").read_text())
 
