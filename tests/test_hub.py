@@ -14,8 +14,12 @@ import normswap.io
 from normswap.demo import DEMO_DIR
 from normswap.hub import MODELING_FILE, template
 
+from _exact_models import build
 from conftest import tiny_model
 
+# Exact conversions with each kind of structural change: biases created in bias-less linears (falcon-new),
+# an output fix with a bias (bloom's embedding norm, a headless model's final norm), OPT's project_out.
+EXACT = ["falcon-new", "bloom", "gpt2-headless", "opt-project"]
 IDS = [[5, 17, 30, 42, 7, 91, 12, 8]]  # < 97: valid for the tiny models too
 
 # Runs where normswap cannot be imported: blocked in sys.modules, repo not on the path, cwd elsewhere.
@@ -77,6 +81,11 @@ def test_loads_without_normswap_exactly(tmp_path):
     normswap.convert(bert, method="naive")
     normswap.save_pretrained(bert, tmp_path / "bert")
     jobs["bert"] = "encoder"
+    for family in EXACT:
+        model = build(family)
+        normswap.convert(model, method="exact")
+        normswap.save_pretrained(model, tmp_path / family)
+        jobs[family] = "encoder" if family.endswith("headless") else "causal"
 
     got = run_without_normswap(tmp_path, jobs)
     ids = torch.tensor(IDS)
