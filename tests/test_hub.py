@@ -196,3 +196,21 @@ def test_template_norm_matches_normswap(p, dtype):
     assert torch.equal(shipped(x), ours(x))
     tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     assert ((shipped(x).double() - ref).abs() / ref.abs().clamp_min(1)).max() <= tol
+
+
+def test_cli_output_is_self_describing_and_bad_type_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+    tiny_model("gpt2").save_pretrained(tmp_path / "src")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "naive", "-o",
+                                       str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / MODELING_FILE).exists()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config["normswap"]["original"]["model_type"] = "no_such_type"
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path / "out")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert "model type 'no_such_type'" in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -19,6 +19,8 @@ from pathlib import Path
 import transformers
 from transformers.models.auto import modeling_auto
 
+from normswap.errors import NormswapError
+
 MODELING_FILE = "modeling_normswap.py"
 TEMPLATE = Path(__file__).with_name("template.py")
 PREFIX = "normswap_"
@@ -79,5 +81,7 @@ def load_config(where: str, **kwargs):
     config_dict = {k: v for k, v in config_dict.items() if k != "auto_map"}
     config_dict["model_type"], config_dict["architectures"] = original["model_type"], original["architectures"]
     config_dict["normswap"] = {k: v for k, v in config_dict["normswap"].items() if k != "original"}
-    cls = transformers.CONFIG_MAPPING[original["model_type"]]
-    return cls.from_dict(config_dict)
+    if original["model_type"] not in transformers.CONFIG_MAPPING:
+        raise NormswapError(f"{where}: model type '{original['model_type']}' (config.json normswap.original) "
+                            f"is unknown to transformers {transformers.__version__}")
+    return transformers.CONFIG_MAPPING[original["model_type"]].from_dict(config_dict)
