@@ -1,4 +1,4 @@
-"""`normswap` command line: a thin shell over the Python API. Errors are one line and exit 1."""
+"""`normswap` command line: a thin shell over the Python API. Errors are one line: exit 1, usage 2."""
 from __future__ import annotations
 
 import copy
@@ -7,42 +7,82 @@ import sys
 
 import click
 
+from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output, warn
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
 class _Group(click.Group):
-    """Turns every failure into one line on stderr and a non-zero exit, never a traceback."""
+    """Turns every failure into one line on stderr and a non-zero exit, never a traceback.
+
+    Exit codes: 1 runtime errors, 2 usage errors (bad options), 130 Ctrl-C, 143 SIGTERM.
+    """
+
+    def main(self, *args, standalone_mode=True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as e:  # click would print usage + a hint + the error: three lines
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            click.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"error: {_one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def invoke(self, ctx):
+        import signal
+        import threading
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_term = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+        from normswap.atomic import written
+        written.clear()  # what this command writes, for the interrupt message
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except NormswapError as e:
             click.echo(f"error: {e}", err=True)
-        except KeyboardInterrupt:
-            click.echo("interrupted: nothing was written", err=True)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            done = f"{', '.join(written)} written" if written else "nothing was written"
+            click.echo(f"interrupted: {done}", err=True)
+            sys.exit(128 + (e.args[0] if e.args and isinstance(e.args[0], int) else 2))
         except Exception as e:  # a bug of ours, still reported in one line
             msg = str(e).splitlines()[0] if str(e) else ""
             click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
         sys.exit(1)
-
-
-def _quiet_libraries() -> None:
-    import warnings
-
-    import transformers
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore")
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="normswap")
-def main():
+@click.option("-q", "--quiet", "quiet", count=True, help="Errors only: no library warnings, no progress bars.")
+@click.option("-v", "--verbose", "verbose", count=True, help="Also the libraries' info messages.")
+@click.pass_context
+def main(ctx, quiet, verbose):
     """Turn a model's LayerNorms into RMSNorm, verify it, save it."""
-    _quiet_libraries()
+    ctx.obj = {"verbosity": verbose - quiet}
+    setup_output(verbose - quiet)
+
+
+def _output(as_json: bool) -> None:
+    """Per command: --json turns progress bars off (stdout must stay one JSON object)."""
+    setup_output(click.get_current_context().obj["verbosity"], as_json)
 
 
 def _methods() -> list[str]:
@@ -50,8 +90,8 @@ def _methods() -> list[str]:
     return available_methods()
 
 
-DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-                     help="Load the model in this dtype (default: as stored; the demo model: float32).")
+OVERWRITE_ANY = click.option("--overwrite-any", is_flag=True,
+                              help="Replace OUT even if normswap did not write it (its files are deleted).")
 
 
 @main.command()
@@ -60,35 +100,57 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
 @click.option("--p", "p", type=float, default=None, help="pRMSNorm fraction of features (default 0.0625).")
 @click.option("--method", type=click.Choice(_methods()), default="auto", show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if normswap wrote it (or it is empty).")
+@OVERWRITE_ANY
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@DTYPE
+@dtype_option
+@device_option
+@load_options
 @click.option("--finetune-steps", type=click.IntRange(min=0), default=0,
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
 @click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
-def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, data, onnx_path=None):
+def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, device, finetune_steps, data,
+            onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     from pathlib import Path
 
     import normswap
-    from normswap.parity import compare
+    from normswap.parity import compare_to, reference_outputs
 
-    if Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    from normswap.atomic import check_output, check_replaceable
+    overwrite = "any" if overwrite_any else overwrite
+    inputs = [("SRC", src)] + [("--data", d) for d in data]
+    check_output(out, inputs)
+    check_replaceable(out, overwrite)
+    if onnx_path:
+        check_output(onnx_path, inputs + [("OUT", out)])
+        if check_output(out) in check_output(onnx_path).parents:
+            raise NormswapError(f"--onnx {onnx_path} is inside OUT {out}: saving OUT would delete it")
     if onnx_path and Path(onnx_path).exists() and not overwrite:
         raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
     from normswap.cli_heal import heal_after_convert, read_finetune_data
+    _output(as_json)
+    device = resolve_device(device)
     texts = read_finetune_data(finetune_steps, data)
-    model, tokenizer = normswap.io.load_model(src, dtype)
-    original = copy.deepcopy(model)
+    model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
+    model.to(device)
+    reference = reference_outputs(model)   # outputs before editing, not a copy of the model
+    # Healing distils from the unconverted model while training the converted one: both must exist at
+    # once, so this is the one copy, made only with --finetune-steps.
+    original = copy.deepcopy(model) if texts else None
     report = normswap.convert(model, to=to, method=method, p=p)
     if not report.converted:
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
         return
+    for w in report.warnings:  # on stderr, whatever the output format
+        warn(w)
     healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
-    parity = compare(original, model)
+    parity = compare_to(reference, model)
+    if parity.nonfinite:  # never save a model that gives NaN/inf
+        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) {parity.output} "
+                            f"values on sample inputs (the original: {parity.ref_nonfinite}); nothing was saved")
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
     normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
@@ -97,7 +159,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
                                 **({"heal": healed.to_dict()} if healed else {}),
                                 **({"onnx": exported.to_dict()} if exported else {})}))
     else:
-        click.echo(report.to_table())
+        click.echo(report.to_table(warnings=False))
         click.echo(str(parity))
         if healed:
             click.echo(str(healed))
@@ -109,20 +171,27 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
 @main.command()
 @click.argument("src")
 @click.option("--json", "as_json", is_flag=True)
-@DTYPE
+@dtype_option
+@load_options
 def inspect(src, as_json, dtype):
     """List the norms in SRC and what `convert` would do with each."""
     from normswap.io import load_model
     from normswap.surgery import find_norms
-    from normswap.surgery.exact import exact_support
+    from normswap.surgery.exact import plan
+    from normswap.surgery.report import BIAS_FATE, plan_lines
 
-    model, _ = load_model(src, dtype)
+    _output(as_json)
+    model, _ = load_model(src, dtype_name(dtype))
     sites, skipped, rms = find_norms(model)
-    why_not = exact_support(model, sites)  # None: `--method exact` applies to every norm listed
-    bias_fate = " (naive drops the bias)" if why_not else " (exact: bias folded)"
+    traced = plan(model, sites) if sites else None   # one traced forward: sources, readers, bias fate
+    found, why_not = (traced.norms, traced.reason) if traced else ({}, None)
+
+    def fate(s):
+        return " (naive drops the bias)" if why_not else f" ({BIAS_FATE[found[s.name].bias]})"
     rows = [{"name": s.name, "type": type(s.module).__name__, "width": s.width, "eps": s.eps,
              "bias_norm": round(s.bias_norm, 6), "exact": why_not is None,
-             "action": "to RMSNorm" + (bias_fate if s.bias_norm > 0 else "")} for s in sites]
+             "action": "to RMSNorm" + (fate(s) if s.bias_norm > 0 else ""),
+             "plan": {k: v for k, v in vars(found[s.name]).items() if k not in ("name", "width")}} for s in sites]
     rows += [{"name": n, "type": type(model.get_submodule(n)).__name__, "action": "already RMSNorm: kept"}
              for n in rms]
     rows += [{"name": s.name, "type": s.cls, "action": f"skipped: {s.reason}"} for s in skipped]
@@ -136,6 +205,8 @@ def inspect(src, as_json, dtype):
     for r in rows:
         extra = f" width={r['width']} eps={r['eps']:g} |bias|={r['bias_norm']:.4g}" if "width" in r else ""
         click.echo(f"  {r['name'] or '(root)'}  {r['type']}{extra}  -> {r['action']}")
+        if "plan" in r:
+            click.echo("\n".join(plan_lines(found[r["name"]])))
 
 
 from normswap.cli_heal import eval_cmd, heal  # noqa: E402  (heal and eval live in their own module)

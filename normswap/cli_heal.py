@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
+from normswap.cli_options import device_option, dtype_name, dtype_option, resolve_device, setup_output
+from normswap.cli_load import load_options
 from normswap.errors import NormswapError
 
 
@@ -21,14 +22,19 @@ def check_tokenizers(tok, ref_tok, what: str) -> None:
                             f"{differ} mapped differently): they must share one vocabulary")
 
 
-def _load_with(src: str, other: str | None, what: str, dtype=None):
+def _load_with(src: str, other: str | None, what: str, dtype=None, device=None):
     """(model, other model or None, tokenizer) with the tokenizers checked against each other."""
     from normswap.io import load_model
     model, tok = load_model(src, dtype)
     ref, ref_tok = load_model(other, dtype) if other else (None, None)
+    if device is not None:
+        model.to(device)
+        if ref is not None:
+            ref.to(device)
     check_tokenizers(tok, ref_tok, what)
     tok = tok if tok is not None else ref_tok
-    if tok is None:
+    from normswap.evaluate import text_only
+    if tok is None and text_only(model):  # image/speech/seq2seq eval needs none (parity on sample inputs)
         raise NormswapError(f"{src} has no tokenizer files")
     return model, ref, tok
 
@@ -59,7 +65,9 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @click.option("--data", multiple=True, type=click.Path(), help="Text file or folder of .txt (repeatable).")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists (only once healing completes).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace OUT if normswap wrote it or it is empty (only once healing completes).")
+@click.option("--overwrite-any", is_flag=True, help="Replace OUT even if normswap did not write it.")
 @click.option("--train", type=click.Choice(["norms", "all"]), default="norms", show_default=True,
               help="norms: only norm gains/biases; all: every parameter.")
 @click.option("--objective", type=click.Choice(["kd", "lm"]), default="kd", show_default=True,
@@ -70,29 +78,42 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_len, batch_size, lr, seed, as_json):
+@dtype_option
+@device_option
+@load_options
+@click.pass_context
+def heal(ctx, src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr, seed,
+         as_json, dtype, device):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
+    Under `accelerate launch` the processes (and their devices) are Accelerate's; --device cpu keeps
+    them on the CPU (gloo).
     """
+    from normswap.atomic import check_output, check_replaceable
     from normswap.heal import heal as run_heal
     from normswap.textdata import read_texts
 
-    if Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    setup_output(ctx.obj["verbosity"], as_json)
+    device = resolve_device(device)
+    overwrite = "any" if overwrite_any else overwrite
+    check_output(out, [("SRC", src), ("--teacher", teacher_src)] + [("--data", d) for d in data])
+    check_replaceable(out, overwrite)
     if objective == "kd" and not teacher_src:
         raise NormswapError("--teacher ORIG is required for distillation (or use --objective lm)")
     if not data:
         raise NormswapError("--data FILE is required: plain text to heal on")
     texts = read_texts(data)
-    student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher")
+    student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher",
+                                       dtype_name(dtype))
     report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
                       objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
-                      overwrite=overwrite, progress=not as_json)
+                      overwrite=overwrite, progress=not as_json and ctx.obj["verbosity"] >= 0,
+                      cpu=device.type == "cpu")
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return
-    click.echo(json.dumps(report.to_dict()) if as_json else str(report))
+    click.echo(json.dumps(report.to_dict(losses=True)) if as_json else str(report))
     if report.interrupted:
         where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
         click.echo(f"interrupted after {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
@@ -109,12 +130,18 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
 @click.option("--stride", type=click.IntRange(min=1), default=None, help="Default: seq-len // 2.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def eval_cmd(src, data, reference, seq_len, stride, batch_size, as_json):
+@dtype_option
+@device_option
+@load_options
+@click.pass_context
+def eval_cmd(ctx, src, data, reference, seq_len, stride, batch_size, as_json, dtype, device):
     """Perplexity of SRC (sliding window), and agreement with --reference."""
     from normswap.evaluate import evaluate
     from normswap.textdata import read_texts
 
+    setup_output(ctx.obj["verbosity"], as_json)
+    device = resolve_device(device)
     texts = read_texts(data) if data else None
-    model, ref, tok = _load_with(src, reference, "the reference")
+    model, ref, tok = _load_with(src, reference, "the reference", dtype_name(dtype), device)
     report = evaluate(model, tok, texts, reference=ref, seq_len=seq_len, stride=stride, batch_size=batch_size)
     click.echo(json.dumps(report.to_dict()) if as_json else str(report))

@@ -21,7 +21,7 @@ from normswap.textdata import max_positions, sentences, token_stream
 
 @dataclass
 class EvalReport:
-    kind: str                              # "causal-lm" or "encoder"
+    kind: str                              # "causal-lm", "encoder" or "parity" (non-text / seq2seq)
     perplexity: float | None = None        # exp(mean NLL) over the scored tokens
     nll: float | None = None
     tokens: int | None = None              # tokens scored
@@ -32,11 +32,18 @@ class EvalReport:
     cosine: float | None = None            # encoders: mean cosine of mean-pooled embeddings
     cosine_min: float | None = None
     sentences: int | None = None
+    max_rel: float | None = None           # parity: max |Δ output| / max |reference output|
+    max_abs: float | None = None
+    output: str | None = None              # parity: which output was compared
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def __str__(self) -> str:
+        if self.kind == "parity":
+            kl = f", KL {self.kl:.3e}" if self.kl is not None else ""
+            return (f"parity to reference on sample inputs ({self.output}; no perplexity for this model): "
+                    f"max |Δ| {self.max_abs:.3e}, rel {self.max_rel:.3e}{kl}")
         if self.kind == "encoder":
             return (f"embedding cosine to reference: mean {self.cosine:.6f}, min {self.cosine_min:.6f} "
                     f"over {self.sentences} sentences")
@@ -88,7 +95,9 @@ def _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size) -> 
     spans = windows(len(ids), seq_len, stride)
     # Windows of equal length share a batch (all but the last are seq_len long).
     body = spans[:-1]
-    for group in [body[i:i + batch_size] for i in range(0, len(body), batch_size)] + [spans[-1:]]:
+    from normswap.progress import bar
+    groups = [body[i:i + batch_size] for i in range(0, len(body), batch_size)] + [spans[-1:]]
+    for group in bar(groups, desc="eval"):
         x = torch.stack([ids[b:e] for b, e, _ in group]).to(_device(model))
         logp = model(input_ids=x).logits.float().log_softmax(-1)
         ref = (reference(input_ids=x.to(_device(reference))).logits.float().log_softmax(-1).to(logp.device)
@@ -132,7 +141,8 @@ def _encoder(model, tokenizer, texts, reference, seq_len, batch_size, max_senten
     limit = max_positions(model) or 512
     sents.sort(key=len)  # similar lengths share a batch: little padding (the mean ignores order)
     cos = []
-    for i in range(0, len(sents), batch_size):
+    from normswap.progress import bar
+    for i in bar(range(0, len(sents), batch_size), desc="eval"):
         batch = tokenizer(sents[i:i + batch_size], padding=True, truncation=True,
                           max_length=min(seq_len or limit, limit), return_tensors="pt")
         a = _embed(model, {k: v.to(_device(model)) for k, v in batch.items()})
@@ -142,6 +152,24 @@ def _encoder(model, tokenizer, texts, reference, seq_len, batch_size, max_senten
     return EvalReport("encoder", cosine=c.mean().item(), cosine_min=c.min().item(), sentences=len(c))
 
 
+def text_only(model: nn.Module) -> bool:
+    """False for models that read images or audio, and for encoder-decoders: no perplexity on text."""
+    main = getattr(model, "main_input_name", "input_ids")
+    return main == "input_ids" and not getattr(model.config, "is_encoder_decoder", False)
+
+
+@torch.no_grad()
+def _parity(model, reference) -> EvalReport:
+    from normswap.parity import compare
+    if reference is None:
+        kind = " encoder-decoder" if getattr(model.config, "is_encoder_decoder", False) else ""
+        raise NormswapError(f"no perplexity for {type(model).__name__}: a{kind} model reading "
+                            f"{getattr(model, 'main_input_name', 'input_ids')}; pass --reference ORIG "
+                            "to measure parity to it on sample inputs")
+    p = compare(reference, model)
+    return EvalReport("parity", kl=p.kl, max_rel=p.max_rel, max_abs=p.max_abs, output=p.output)
+
+
 def evaluate(model: nn.Module, tokenizer, texts: list[str] | str | None = None,
              reference: nn.Module | None = None, seq_len: int | None = None, stride: int | None = None,
              batch_size: int = 8, max_sentences: int = 2000) -> EvalReport:
@@ -149,6 +177,7 @@ def evaluate(model: nn.Module, tokenizer, texts: list[str] | str | None = None,
     (seq_len default: the model's context; stride default: seq_len // 2). With `reference`: mean
     KL(reference || model) and top-1 agreement on the same positions. Encoders (no LM head): mean
     cosine similarity of mean-pooled embeddings to `reference`, over the sentences of `texts`.
+    Image, speech and encoder-decoder models: parity to `reference` on sample inputs (no texts read).
     """
     if texts is None:
         from normswap.demo import HELDOUT_FILE, heldout_text
@@ -159,6 +188,8 @@ def evaluate(model: nn.Module, tokenizer, texts: list[str] | str | None = None,
     for m, _ in was:
         m.eval()
     try:
+        if not text_only(model):
+            return _parity(model, reference)
         if is_causal_lm(model):
             return _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size)
         return _encoder(model, tokenizer, texts, reference, seq_len, batch_size, max_sentences)

@@ -2,7 +2,9 @@
 
 Loss: KL(teacher || student) on token distributions for models with logits, MSE on every hidden state
 for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
-under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over GPUs.
+under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over processes (GPUs, or
+CPU processes over gloo): `batch_size` is the global batch, split evenly, so the loss curve does not depend
+on the number of processes.
 
 Interruption (Ctrl-C, or KeyboardInterrupt from `callback`): training stops at a step boundary and the
 model of the completed steps is saved to `<out>.partial` (config.json `normswap_heal.interrupted`); `out`
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normswap.atomic import check_replaceable
 from normswap.errors import NormswapError
 from normswap.io import is_causal_lm
 from normswap.norms import is_rms_norm
@@ -118,8 +121,8 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
             student.config, "vocab_size", None):
         raise NormswapError(f"teacher vocabulary ({teacher.config.vocab_size}) differs from the "
                             f"student's ({student.config.vocab_size})")
-    if out is not None and Path(out).exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    if out is not None:  # before training, not after
+        check_replaceable(out, overwrite)
 
 
 def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
@@ -140,13 +143,15 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
 def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None, steps: int = 200,
          lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
          batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
-         progress: bool = True, callback: Callable[[int, float], None] | None = None) -> HealReport:
+         progress: bool = True, callback: Callable[[int, float], None] | None = None,
+         cpu: bool | None = None) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
     exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
-    step. Ctrl-C: see the module docstring.
+    step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
+    the module docstring.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -163,9 +168,21 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     if seq_len < 2:
         raise NormswapError("the training text has fewer than 2 tokens")
 
-    accelerator = Accelerator()
+    # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
+    # distribution at all.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu)
+    from accelerate.utils import DistributedType
+    if accelerator.distributed_type == DistributedType.FSDP:  # its sharded parameters would need another save
+        raise NormswapError("heal does not support FSDP yet: launch with DDP (accelerate launch --multi_gpu)")
+    ranks, rank = accelerator.num_processes, accelerator.process_index
+    if batch_size % ranks:
+        raise NormswapError(f"batch_size {batch_size} is the global batch: it must be divisible by the "
+                            f"{ranks} processes")
     set_seed(seed)
-    gen = torch.Generator().manual_seed(seed + accelerator.process_index)
+    # Every process draws the same global batch and trains on its slice: with gradients averaged across
+    # processes, N processes follow the loss curve of one process (to rounding).
+    gen = torch.Generator().manual_seed(seed)
+    local = batch_size // ranks
     dtype = next(student.parameters()).dtype
     student.float()  # train in fp32 whatever the stored dtype; cast back at the end
     grad_before = {n: p.requires_grad for n, p in student.named_parameters()}
@@ -180,7 +197,9 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
     student.eval()  # no dropout: match the teacher's deterministic function
-    model, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
+    # global batch split over processes would decay the learning rate N times too fast.
+    model, optimizer = accelerator.prepare(student, optimizer)
     if teacher is not None:
         teacher.eval().to(accelerator.device)
 
@@ -199,7 +218,8 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     try:
         for _ in range(int(steps)):
             starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
-            x = torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+            mine = starts[rank * local:(rank + 1) * local]
+            x = torch.stack([ids[s:s + seq_len] for s in mine.tolist()])
             x = (x if causal else wrap_special(tokenizer, x)).to(accelerator.device)
             loss = _loss(model, teacher, x, objective)
             accelerator.backward(loss)
@@ -208,7 +228,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             stop["updating"] = False
-            losses.append(loss.item())
+            losses.append(accelerator.reduce(loss.detach(), "mean").item())  # the global batch's loss
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if callback is not None:

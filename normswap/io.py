@@ -1,34 +1,49 @@
 """Loading models from a SRC (folder, Hub id, `normswap-demo`) and saving/loading converted ones.
 
 Converted models are saved in Hugging Face layout: config.json (with a `normswap` section that
-records every converted norm and added bias), model.safetensors, tokenizer files. Loading never
-unpickles. Every write goes to a temporary folder renamed into place at the end.
+records every converted norm and added bias, validated by normswap/schema.py on load), model.safetensors,
+tokenizer files. Every write goes to a temporary folder renamed into place at the end.
+Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
+do not match the config unless allow_missing_weights is given (the CLI's two options set LOAD_POLICY).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shutil
 import socket
-import tempfile
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer)
 
+from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
 from normswap.demo import DEMO_DIR, DEMO_NAME
+from normswap import schema
+from normswap.hub import make_self_describing
 from normswap.errors import NormswapError
-from normswap.hub import load_config, make_self_describing
 from normswap.norms import build_norm
 from normswap.surgery.centring import apply_output_fixes
 from normswap.surgery.walk import ensure_bias, replace_module
 
 WEIGHTS = "model.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadPolicy:
+    """Defaults for load_model/from_pretrained; the CLI's --trust-remote-code/--allow-missing-weights set them."""
+    trust_remote_code: bool = False
+    allow_missing_weights: bool = False
+
+
+LOAD_POLICY = LoadPolicy()
 
 
 def is_causal_lm(model_or_config) -> bool:
@@ -38,6 +53,22 @@ def is_causal_lm(model_or_config) -> bool:
     if isinstance(model_or_config, nn.Module):
         names.append(type(model_or_config).__name__)
     return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+
+
+def auto_class(config):
+    """The Auto class that loads config.architectures' head: causal LM, (speech) seq2seq, image
+    classifier; AutoModel (no head) otherwise."""
+    if is_causal_lm(config):
+        return AutoModelForCausalLM
+    names = list(getattr(config, "architectures", None) or [])
+    candidates = {"ForConditionalGeneration": (AutoModelForSpeechSeq2Seq, AutoModelForSeq2SeqLM),
+                  "ForImageClassification": (AutoModelForImageClassification,)}
+    for suffix, classes in candidates.items():
+        if any(n.endswith(suffix) for n in names):
+            for cls in classes:
+                if type(config) in cls._model_mapping:
+                    return cls
+    return AutoModel
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -74,90 +105,105 @@ def resolve_source(src: str) -> tuple[str, bool]:
     return src, False
 
 
-def load_model(src: str, dtype: str | None = None):
+def load_model(src: str, dtype: str | None = None, trust_remote_code: bool | None = None,
+               allow_missing_weights: bool | None = None):
     """(model, tokenizer or None) from a folder, a Hub id or `normswap-demo`; in eval mode.
 
     dtype: "float32" | "float16" | "bfloat16" | None (as stored; the demo model loads in float32).
+    trust_remote_code: run Python files shipped with the model (auto_map); default LOAD_POLICY's (False).
+    allow_missing_weights: load even if tensors are missing, unexpected or of the wrong shape (missing
+    ones keep random values); by default that is an error naming them.
     """
+    trust = LOAD_POLICY.trust_remote_code if trust_remote_code is None else trust_remote_code
+    allow = LOAD_POLICY.allow_missing_weights if allow_missing_weights is None else allow_missing_weights
     where, local = resolve_source(src)
     if dtype is not None and dtype not in DTYPES:
         raise NormswapError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
     if src == DEMO_NAME and dtype is None:
         dtype = "float32"
+    if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code
+        model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow).eval()
+        return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
     try:
-        config = load_config(where, local_files_only=local)  # old and self-describing folders alike
+        config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust)
         if getattr(config, "normswap", None):
-            model = from_pretrained(where, dtype=dtype)
+            model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow)
         else:
-            cls = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
-            model = cls.from_pretrained(where, local_files_only=local,
-                                        dtype=DTYPES[dtype] if dtype else "auto")
+            model, info = auto_class(config).from_pretrained(
+                where, local_files_only=local, trust_remote_code=trust, dtype=DTYPES[dtype] if dtype else "auto",
+                output_loading_info=True, ignore_mismatched_sizes=True)
+            _check_weights(src, info["missing_keys"], info["unexpected_keys"],
+                           [(k, a, b) for k, a, b in info["mismatched_keys"]], allow)
     except NormswapError:
         raise
     except Exception as e:  # transformers raises many types; users get one line
-        raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
-    return model.eval(), load_tokenizer(where, local)
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not trust and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
+            msg = ("it ships its own Python code (auto_map), which normswap does not run "
+                   f"without --trust-remote-code ({msg})")
+        raise NormswapError(f"cannot load model from {src}: {msg}") from None
+    return model.eval(), load_tokenizer(where, local, trust)
+
+
+def _names(keys, limit: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _check_weights(src, missing, unexpected, mismatched, allow: bool) -> None:
+    """One line naming every tensor the weights file lacks, has extra, or has in the wrong shape."""
+    parts = [f"{len(missing)} missing ({_names(missing)})"] if missing else []
+    parts += [f"{len(unexpected)} unexpected ({_names(unexpected)})"] if unexpected else []
+    if mismatched:
+        shapes = [f"{k} {tuple(a)} in the file, {tuple(b)} in the model" for k, a, b in sorted(mismatched)]
+        parts.append(f"{len(mismatched)} of the wrong shape ({_names(shapes, 3)})")
+    if not parts:
+        return
+    msg = f"{src}: the weights do not match the config: {'; '.join(parts)}"
+    if not allow:
+        raise NormswapError(msg + "; pass --allow-missing-weights to load anyway (missing and wrong-shaped "
+                                  "tensors get random values, unexpected ones are dropped)")
+    print(f"warning: {msg}: loading anyway (--allow-missing-weights)", file=sys.stderr)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                    "spiece.model")
 
 
-def load_tokenizer(where: str, local: bool = True):
+def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = False, config=None):
     """The model's tokenizer, or None when it has none (transformers 5 would build an empty one)."""
     if local and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
-        # The original config: AutoTokenizer would otherwise read a converted folder's normswap_* model_type.
-        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local,
-                                                  config=load_config(where, local_files_only=local))
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code,
+                                                  config=config)
     except Exception:
         return None
     return tokenizer if len(tokenizer) > 0 else None
 
 
-@contextlib.contextmanager
-def atomic_dir(out: str | Path, overwrite: bool = False):
-    """Yield a temp folder beside `out`; on success it replaces `out`, on failure it is removed."""
-    out = Path(out).expanduser()
-    if out.exists() and not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
-    if out.exists() and not out.is_dir():
-        raise NormswapError(f"{out} exists and is not a folder")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.tmp-"))
-    except OSError as e:
-        raise NormswapError(f"cannot write to {parent}: {e.strerror}") from None
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer)."""
+    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer).
+
+    overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
+    """
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    section = getattr(model.config, "normswap", None)
     with atomic_dir(out, overwrite) as tmp:
+        # save_model drops the duplicate names of tied tensors and load_model restores them.
+        safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+        if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
+            section.update(format=schema.FORMAT, base={"architecture": type(model).__name__,
+                                                       "model_type": model.config.model_type})
+            section["checksum"] = schema.checksum(section, tmp / WEIGHTS)
         model.config.save_pretrained(tmp)
-        make_self_describing(tmp, model)  # modeling file + auto_map: loads without normswap
+        make_self_describing(tmp, model)  # modeling file + auto_map: loads in transformers without normswap
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
-        # save_model drops the duplicate names of tied tensors and load_model restores them.
-        safetensors.torch.save_model(model, str(tmp / WEIGHTS))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
@@ -172,29 +218,75 @@ def apply_structure(model: nn.Module, section: dict) -> None:
     apply_output_fixes(model, section.get("output_fixes", {}))  # after the norms: fixes may sit on them
 
 
-def from_pretrained(path: str | Path, dtype: str | None = None) -> nn.Module:
-    """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only)."""
+def _base_config(raw: dict, section: dict, where: str):
+    """The original architecture's config and model class, as recorded in the section: never remote code."""
+    base = section["base"]
+    cls = getattr(transformers, base["architecture"], None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise NormswapError(f"{where}: unknown architecture {base['architecture']!r} in config.json")
+    if base["model_type"] not in transformers.CONFIG_MAPPING:
+        raise NormswapError(f"{where}: unknown model_type {base['model_type']!r} in config.json")
+    config_cls = transformers.CONFIG_MAPPING[base["model_type"]]
+    config = config_cls.from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "model_type")})
+    config.architectures = [base["architecture"]]
+    return config, cls
+
+
+def _load_weights(model: nn.Module, weights: Path, allow: bool) -> None:
+    """Load a safetensors file into `model`, naming every missing, unexpected or wrong-shaped tensor."""
+    state = model.state_dict()
+    stored = safetensors.torch.load_file(str(weights))
+    mismatched = [(k, v.shape, state[k].shape) for k, v in stored.items() if k in state and v.shape != state[k].shape]
+    for k, _, _ in mismatched:
+        del stored[k]
+    missing, unexpected = model.load_state_dict(stored, strict=False)
+    # A tied tensor is stored once (save_model); its other names were filled through the tie.
+    loaded = {state[k].data_ptr() for k in stored if k in state}
+    missing = [k for k in missing if state[k].data_ptr() not in loaded]
+    _check_weights(str(weights), missing, unexpected, mismatched, allow)
+
+
+def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool | None = None) -> nn.Module:
+    """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only).
+
+    The `normswap` section is validated (normswap/schema.py) and its checksum checked; no code from
+    the folder runs (an `auto_map` is ignored: the original architecture is rebuilt).
+    """
+    allow = LOAD_POLICY.allow_missing_weights if allow_missing_weights is None else allow_missing_weights
     path = Path(path)
-    config = load_config(str(path), local_files_only=True)  # never runs the folder's modeling file
-    section = getattr(config, "normswap", None)
+    raw = read_config(path)
+    section = raw.get("normswap")
     if not section:
         raise NormswapError(f"{path} was not saved by normswap (no 'normswap' section in config.json)")
-    arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        raise NormswapError(f"{path}: unknown architecture {arch!r} in config.json")
+    schema.validate(section, str(path))
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise NormswapError(f"{path} has no {WEIGHTS}")
+    schema.verify_checksum(section, weights, str(path), header=False)  # the weights: checked by name below
+    try:
+        config, cls = _base_config(raw, section, str(path))
+    except NormswapError:
+        raise
+    except Exception as e:
+        raise NormswapError(f"{path}: bad config.json: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
     model = cls(config).to(DTYPES[dtype] if dtype else stored)
+    schema.validate(section, str(path), model)
     apply_structure(model, section)
-    weights = path / WEIGHTS
-    if not weights.exists():
-        raise NormswapError(f"{path} has no {WEIGHTS}")
-    missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
-    if missing or unexpected:
-        raise NormswapError(f"{weights} does not match the model: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+    _load_weights(model, weights, allow)
+    schema.verify_checksum(section, weights, str(path), header=not allow)
     return model.eval()
 
 
 def read_config(path: str | Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
+    """config.json as a dict; one clear error when it is missing or not a JSON object."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise NormswapError(f"{path} has no config.json: not a model folder") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise NormswapError(f"{file} is not readable JSON: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise NormswapError(f"{file} is not a JSON object")
+    return raw

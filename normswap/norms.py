@@ -8,13 +8,15 @@ from normswap import ops
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension, computed in fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension, computed in fp32.
+
+    eps must be positive and finite; integer inputs are refused (TypeError), not truncated."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
                  device=None, dtype=None):
         super().__init__()
         self.normalized_shape = int(normalized_shape)
-        self.eps = float(eps)
+        self.eps = ops.check_eps(eps)   # eps <= 0 would give NaN on an all-zero row
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
             self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))

@@ -1,44 +1,111 @@
 """How far a converted model is from the original: max |Δ|, relative error, KL on sample inputs."""
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from normswap.errors import NormswapError
+
 
 @dataclass
 class Parity:
-    max_abs: float       # max |Δ output| over all positions
+    max_abs: float       # max |Δ output| over all positions (NaN when either side is non-finite)
     max_rel: float       # max |Δ output| / max |reference output|
     kl: float | None     # mean KL(reference || converted) per token, for models with logits
     output: str          # which output was compared
+    ref_nonfinite: int = 0   # NaN/inf values in the reference's outputs
+    nonfinite: int = 0       # NaN/inf values in the compared model's outputs
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @property
+    def finite(self) -> bool:
+        return not (self.ref_nonfinite or self.nonfinite)
+
+    def to_dict(self) -> dict:  # NaN -> None: the CLI's --json must stay valid JSON
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
 
     def __str__(self) -> str:
+        if not self.finite:
+            return (f"parity vs original ({self.output}): NON-FINITE outputs: {self.nonfinite} NaN/inf in the "
+                    f"converted model, {self.ref_nonfinite} in the original; no comparison possible")
         kl = f", KL {self.kl:.3e}" if self.kl is not None else ""
         return f"parity vs original ({self.output}): max |Δ| {self.max_abs:.3e}, rel {self.max_rel:.3e}{kl}"
 
 
+@dataclass
+class Reference:
+    """A model's main outputs on sample inputs, kept instead of a copy of the model (see `reference_outputs`)."""
+    inputs: list[dict]
+    outputs: list[torch.Tensor]
+    output: str          # name of the main output
+
+    @property
+    def nonfinite(self) -> int:
+        return sum(int((~o.isfinite()).sum()) for o in self.outputs)
+
+
+def _cfg(config, key: str, default=None):
+    """config.key, else the same key in its text/vision/encoder/decoder sub-configs."""
+    for c in (config, *(getattr(config, k, None) for k in ("text_config", "vision_config", "encoder", "decoder"))):
+        if c is not None and getattr(c, key, None) is not None:
+            return getattr(c, key)
+    return default
+
+
+def _ids(config, shape, g, start: int | None = None) -> torch.Tensor:
+    ids = torch.randint(0, _cfg(config, "vocab_size"), shape, generator=g)
+    if start is not None:
+        ids[:, 0] = start
+    return ids
+
+
+def _length(config, seq: int, *keys: str) -> int:
+    limits = [v for k in keys if isinstance(v := _cfg(config, k), int)]
+    return min([seq, *limits])
+
+
 def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> list[dict]:
-    """A few deterministic inputs for `model`: token ids (with a padded batch) or pixel values."""
+    """A few deterministic inputs built from `model`'s signature and config: token ids (with a
+    right-padded batch), pixel values, Whisper-style log-mel features, and decoder ids for
+    encoder-decoders (starting with decoder_start_token_id)."""
     config = model.config
     g = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
-        shape = (batch, getattr(config, "num_channels", 3), config.image_size, config.image_size)
-        dtype = next(model.parameters()).dtype
-        return [{"pixel_values": torch.randn(shape, generator=g).to(device, dtype)}]
-    vocab = config.vocab_size
+    ref = next(model.parameters())
+    device, dtype = ref.device, ref.dtype if ref.is_floating_point() else torch.float32
+    params = inspect.signature(model.forward).parameters
+    main = getattr(model, "main_input_name", "input_ids")
+    if main not in ("input_ids", "pixel_values", "input_features"):
+        raise NormswapError(f"cannot build sample inputs for a model whose main input is '{main}'")
+    text = "input_ids" in params and main == "input_ids"
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False)) and "decoder_input_ids" in params
+    n = _length(config, seq * 2 + 1, "max_position_embeddings", "n_positions")
     out = []
-    for b, s in ((1, seq), (batch, seq * 2 + 1)):
-        ids = torch.randint(0, vocab, (b, s), generator=g)
-        mask = torch.ones(b, s, dtype=torch.long)
-        if b > 1:
-            mask[1:, s // 2:] = 0   # right-padded rows: padding must not matter
-        out.append({"input_ids": ids.to(device), "attention_mask": mask.to(device)})
+    # a single and a padded batch where there is text or a decoder; one batch of images or audio otherwise
+    for b, s in ((1, seq), (batch, n)) if text or seq2seq else ((batch, seq),):
+        s = min(s, n)
+        x: dict = {}
+        if text:
+            x["input_ids"] = _ids(config, (b, s), g)
+            x["attention_mask"] = torch.ones(b, s, dtype=torch.long)
+            if b > 1:
+                x["attention_mask"][1:, s // 2:] = 0   # right-padded rows: padding must not matter
+        if main == "pixel_values" or "pixel_values" in params and _cfg(config, "image_size"):
+            size = _cfg(config, "image_size")
+            h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+            x["pixel_values"] = torch.randn(b, _cfg(config, "num_channels", 3), h, w, generator=g).to(dtype)
+        if main == "input_features":   # Whisper: (batch, mel bins, 2 * encoder positions)
+            frames = 2 * _cfg(config, "max_source_positions", 1500)
+            x["input_features"] = torch.randn(b, _cfg(config, "num_mel_bins", 80), frames, generator=g).to(dtype)
+        if seq2seq:   # as long as the encoder input: compare's mask then covers both
+            start = getattr(config, "decoder_start_token_id", None)
+            d = _length(config, s, "max_target_positions", "max_position_embeddings")
+            x["decoder_input_ids"] = _ids(config, (b, d), g, start)
+            if d != s:
+                x.pop("attention_mask", None)
+        out.append({k: v.to(device) for k, v in x.items()})
     return out
 
 
@@ -51,23 +118,49 @@ def main_output(out) -> tuple[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None) -> Parity:
-    """Run both models on the same inputs; compare main outputs on the unpadded positions."""
-    inputs = inputs if inputs is not None else sample_inputs(reference)
-    max_abs = ref_max = 0.0
-    kls: list[torch.Tensor] = []
-    name = "output"
+def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Reference:
+    """Run `model` on `inputs` (default: `sample_inputs`) and keep its main outputs, detached.
+
+    Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
+    """
+    inputs = inputs if inputs is not None else sample_inputs(model)
+    name, outs = "output", []
     for batch in inputs:
-        name, a = main_output(reference(**batch))
+        name, out = main_output(model(**batch))
+        outs.append(out.detach().clone())  # clone: never a view into the model's own buffers
+    return Reference(inputs, outs, name)
+
+
+@torch.no_grad()
+def compare_to(reference: Reference, model: nn.Module) -> Parity:
+    """Run `model` on the reference's inputs; compare main outputs on the unpadded positions.
+
+    Non-finite outputs are counted on either side (Python's max would hide a NaN), never compared.
+    """
+    max_abs = ref_max = torch.zeros((), dtype=torch.float64)
+    kls: list[torch.Tensor] = []
+    bad_ref = bad = 0
+    for batch, a in zip(reference.inputs, reference.outputs):
         _, b = main_output(model(**batch))
-        a, b = a.double(), b.double()
+        a, b = a.double(), b.double().to(a.device)
         if "attention_mask" in batch and a.dim() == 3:
-            keep = batch["attention_mask"].bool()
+            keep = batch["attention_mask"].bool().to(a.device)
             a, b = a[keep], b[keep]
-        max_abs = max(max_abs, (a - b).abs().max().item())
-        ref_max = max(ref_max, a.abs().max().item())
-        if name == "logits":
+        bad_ref += int((~a.isfinite()).sum())
+        bad += int((~b.isfinite()).sum())
+        max_abs = torch.maximum(max_abs, (a - b).abs().max().cpu())   # torch.maximum propagates NaN
+        ref_max = torch.maximum(ref_max, a.abs().max().cpu())
+        if reference.output == "logits":
             la, lb = a.log_softmax(-1), b.log_softmax(-1)
             kls.append((la.exp() * (la - lb)).sum(-1).flatten())
     kl = torch.cat(kls).mean().item() if kls else None
-    return Parity(max_abs, max_abs / max(ref_max, 1e-30), kl, name)
+    max_abs, ref_max = max_abs.item(), ref_max.item()
+    if bad_ref or bad:
+        max_abs = kl = float("nan")
+    return Parity(max_abs, max_abs / max(ref_max, 1e-30) if math.isfinite(max_abs) else float("nan"), kl,
+                  reference.output, bad_ref, bad)
+
+
+def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None) -> Parity:
+    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare."""
+    return compare_to(reference_outputs(reference, inputs), model)

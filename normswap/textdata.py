@@ -32,8 +32,18 @@ def read_texts(paths) -> list[str]:
             raise NormswapError(f"cannot read {f}: {e.strerror or e}") from None
         if not text.strip():
             raise NormswapError(f"{f} is empty")
+        if _binary(text):
+            raise NormswapError(f"{f} is not text (NUL or control bytes): pass plain text files")
         texts.append(text)
     return texts
+
+
+def _binary(text: str) -> bool:
+    """NUL anywhere, or more than 1 in 10 characters control codes other than whitespace: not prose."""
+    if "\x00" in text:
+        return True
+    sample = text[:100_000]
+    return sum(c < " " and c not in "\t\n\r\f\v" for c in sample) > len(sample) / 10
 
 
 def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:

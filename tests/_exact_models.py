@@ -53,7 +53,8 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
     for m in model.modules():
         if isinstance(m, nn.LayerNorm) and m.weight is not None:
             m.weight.copy_(1 + 0.5 * rnd(m.weight.shape))
-            m.bias.copy_(0.5 + 0.5 * rnd(m.bias.shape))
+            if m.bias is not None:
+                m.bias.copy_(0.5 + 0.5 * rnd(m.bias.shape))
         elif isinstance(m, nn.Embedding):
             m.weight.add_(0.5 * rnd(m.weight.shape[0], 1) + 0.3)       # per-row mean offsets
         elif isinstance(m, nn.Linear):

@@ -87,7 +87,7 @@ def test_overwrite_replaces(gpt2_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep").write_text("x")
-    result = run("convert", gpt2_dir, "--to", "rmsnorm", "--method", "naive", "-o", out, "--overwrite")
+    result = run("convert", gpt2_dir, "--to", "rmsnorm", "--method", "naive", "-o", out, "--overwrite-any")
     assert result.exit_code == 0 and not (out / "keep").exists()
 
 

@@ -15,7 +15,7 @@ from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm
 from normswap.parity import compare
-from normswap.surgery import adapters, find_norms
+from normswap.surgery import exact as exact_mod, find_norms
 from _exact_models import FAMILIES, build, padded_batches, perturb
 
 
@@ -87,7 +87,7 @@ def test_post_ln_refused_with_alternatives():
     with pytest.raises(NormswapError) as e:
         normswap.convert(model, method="exact")
     msg = str(e.value)
-    assert "\n" not in msg and "bert is post-LN" in msg and "--method naive" in msg
+    assert "\n" not in msg and "embeddings.LayerNorm is post-LN" in msg and "--method naive" in msg
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
 
 
@@ -99,22 +99,25 @@ def test_auto_falls_back_to_naive_with_warning():
 
 
 @pytest.mark.parametrize("family, kw, reason", [
-    ("opt", dict(do_layer_norm_before=False), "do_layer_norm_before=False is post-LN"),
-    ("bloom", dict(apply_residual_connection_post_layernorm=True), "post-LN"),
-    ("phi", dict(qk_layernorm=True), "qk_layernorm"),
+    ("opt", dict(do_layer_norm_before=False), r"self_attn_layer_norm is post-LN"),
+    ("bloom", dict(apply_residual_connection_post_layernorm=True), r"input_layernorm is post-LN"),
 ])
-def test_refused_variants(family, kw, reason):
+def test_post_ln_variants_refused_from_the_graph(family, kw, reason):
     cfg_cls, base, model_cls = FAMILIES[family]
     model = model_cls(cfg_cls(**{**base, "vocab_size": 101, **kw}))
     with pytest.raises(NormswapError, match=reason):
         normswap.convert(model, method="exact")
 
 
-def test_verification_catches_a_wrong_adapter(monkeypatch):
-    """An adapter that forgets a residual writer must fail loudly, not return a broken model."""
-    real = adapters.ADAPTERS["gpt2"]
-    forgetful = lambda config: adapters.Arch(**{**vars(real(config)), "writers": ["attn.c_proj"]})  # noqa: E731
-    monkeypatch.setitem(adapters.ADAPTERS, "gpt2", forgetful)
+def test_verification_catches_a_wrong_plan(monkeypatch):
+    """A plan that forgets a source must fail loudly, not return a broken model."""
+    real = exact_mod.plan
+
+    def forgetful(model, sites, inputs=None):
+        p = real(model, sites, inputs)
+        p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
+        return p
+    monkeypatch.setattr(exact_mod, "plan", forgetful)
     with pytest.raises(NormswapError, match="failed verification"):
         normswap.convert(build("gpt2"), method="exact")
 
@@ -153,10 +156,10 @@ def test_cli_exact_on_post_ln_exits_1_and_writes_nothing(tmp_path):
                                        "-o", str(out)])
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: cannot convert exactly: bert is post-LN")
+    assert len(lines) == 1 and lines[0].startswith("error: cannot convert exactly: embeddings.LayerNorm is post-LN")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bert"]
     shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "bert")]).output
-    assert "no exact conversion: bert is post-LN" in shown and "(naive drops the bias)" in shown
+    assert "no exact conversion: embeddings.LayerNorm is post-LN" in shown and "(naive drops the bias)" in shown
 
 
 # --- the bundled demo model: held-out perplexity is unchanged -------------------------------------------

@@ -132,7 +132,7 @@ def _snapshot(folder):
 def existing_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text('{"mine": true}')
+    (out / "config.json").write_text('{"mine": true, "normswap": {}}')  # an earlier output
     return out
 
 

@@ -41,7 +41,7 @@ def test_layout_is_safetensors_with_normswap_section(tmp_path):
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["architectures"] == ["NormswapGPT2LMHeadModel"]  # the generated class (test_hub.py)
-    assert config["normswap"]["original"]["architectures"] == ["GPT2LMHeadModel"]
+    assert config["normswap"]["base"]["architecture"] == "GPT2LMHeadModel"
     assert set(config["normswap"]["norms"]) == {f"transformer.h.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)} | {
         "transformer.ln_f"}
     assert config["normswap"]["conversions"][0]["method"] == "naive"
@@ -71,7 +71,9 @@ def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
     with pytest.raises(NormswapError, match="exists: pass --overwrite"):
         normswap.save_pretrained(model, out)
     assert (out / "keep.txt").read_text() == "precious"
-    normswap.save_pretrained(model, out, overwrite=True)
+    with pytest.raises(NormswapError, match="not written by normswap"):  # not ours: needs "any"
+        normswap.save_pretrained(model, out, overwrite=True)
+    normswap.save_pretrained(model, out, overwrite="any")
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
 
 
@@ -86,7 +88,7 @@ def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):
         raise OSError("disk full")
     monkeypatch.setattr(safetensors.torch, "save_model", broken)
     with pytest.raises(OSError, match="disk full"):
-        normswap.save_pretrained(model, out, overwrite=True)
+        normswap.save_pretrained(model, out, overwrite="any")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     assert (out / "keep.txt").read_text() == "precious"
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normswap.atomic import written
 from normswap.errors import NormswapError
 from normswap.export.report import ExportReport
 from normswap.parity import main_output
@@ -52,10 +53,21 @@ def _check_args(target: str, opset: int | None) -> int:
     return opset
 
 
-def _staging_dir(path: Path, overwrite: bool) -> Path:
+def _exported_by_us(path: Path) -> bool:
+    import onnx
+    try:
+        props = onnx.load(str(path), load_external_data=False).metadata_props
+    except Exception:
+        return False
+    return any(p.key == "normswap.target" for p in props)
+
+
+def _staging_dir(path: Path, overwrite) -> Path:
     if path.exists() and (path.is_dir() or not overwrite):
         raise NormswapError(f"{path} exists" + (" and is a folder" if path.is_dir() else
                                                   ": pass --overwrite to replace it"))
+    if path.exists() and overwrite != "any" and not _exported_by_us(path):  # never another tool's file
+        raise NormswapError(f"{path} is not an ONNX file normswap exported: pass --overwrite-any to replace it")
     if path.parent.exists() and not path.parent.is_dir():
         raise NormswapError(f"cannot write to {path.parent}: not a folder")
     try:
@@ -154,6 +166,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
                 validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
             for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
                 os.replace(f, path.parent / f.name)
+            written.append(str(path))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:

@@ -13,18 +13,13 @@ import os
 
 import torch
 
-from normswap.ops.reference import partial_width, rms_norm_reference
+from normswap.ops.reference import check_eps, check_float, partial_width, rms_norm_reference
+from normswap.ops.reference import exporting as _exporting
 
-__all__ = ["rms_norm", "partial_width", "rms_norm_reference", "resolve_backend", "BACKENDS"]
+__all__ = ["rms_norm", "partial_width", "check_eps", "rms_norm_reference", "resolve_backend", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "torch")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def _exporting() -> bool:
-    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.5
-    return (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
-            or (is_exporting is not None and is_exporting()))
 
 
 def resolve_backend(x: torch.Tensor) -> str:
@@ -44,6 +39,7 @@ def resolve_backend(x: torch.Tensor) -> str:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              residual: torch.Tensor | None = None, p: float | None = None):
     """RMSNorm over the last dim (pRMSNorm when p is given); returns y, or (y, x + residual) with `residual`."""
+    check_float(x, residual)
     if resolve_backend(x) == "triton":
         from normswap.ops.autograd import rms_norm_triton
         return rms_norm_triton(x, weight, eps, residual=residual, p=p)

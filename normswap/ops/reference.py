@@ -7,12 +7,49 @@ import torch
 
 
 def partial_width(d: int, p: float | None) -> int:
-    """Number of leading features pRMSNorm uses to estimate the RMS: ceil(p * d), at least 1."""
+    """Number of leading features pRMSNorm uses to estimate the RMS: ceil(p * d), at least 1.
+
+    ceil of the decimal the user wrote: p=0.07, d=100 gives 7, where float math gives
+    ceil(7.000000000000001) = 8. A float p is within half an ulp of its decimal and the product adds at
+    most another, so p * d within 1e-12 (relative; float error is ~2e-16) of an integer *is* that integer.
+    Float arithmetic only (no Fraction): torch.compile traces this inside the norm's forward.
+    """
     if p is None:
         return d
-    if not 0.0 < p <= 1.0:
+    if not (isinstance(p, (int, float)) and math.isfinite(p) and 0.0 < p <= 1.0):
         raise ValueError(f"p must be in (0, 1], got {p}")
-    return max(1, min(d, math.ceil(p * d)))
+    x = p * d
+    n = round(x)
+    return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
+
+
+def check_eps(eps: float) -> float:
+    """eps as a float; refuses eps <= 0 or non-finite (an all-zero row would give 0/0 = NaN)."""
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise ValueError(f"eps must be a positive number, got {eps!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"eps must be positive and finite, got {eps!r}")
+    return value
+
+
+def check_float(*tensors: torch.Tensor | None) -> None:
+    """RMSNorm of integers would be truncated back to integers: refuse them instead."""
+    for t in tensors:
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"RMSNorm needs floating-point inputs, got {t.dtype}")
+
+
+def exporting() -> bool:
+    is_exporting = getattr(torch.compiler, "is_exporting", None)  # torch >= 2.5
+    return (torch.onnx.is_in_onnx_export() or torch.jit.is_tracing()
+            or (is_exporting is not None and is_exporting()))
+
+
+def _pow2_floor_at_least_1(m: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= m (fp32, by clearing the mantissa bits), but at least 1."""
+    return (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -20,11 +57,20 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     """y = x / sqrt(mean(x[..., :k]^2) + eps) * weight, squares and mean in fp32, y in x's dtype.
 
     With `residual`, h = x + residual is normalised and (y, h) is returned.
+    fp32 squares overflow for |x| > ~1.8e19, so each row is first divided by s, the power of two just
+    below its max |x| (never scaled up): x/s / sqrt(mean((x/s)^2) + eps/s^2) is the same value, and
+    power-of-two scaling is exact, so results are bit-identical wherever nothing overflowed. Skipped
+    while exporting: onnxruntime fuses only the plain form (its kernel then has the fp32 range limit).
     """
+    check_float(x, residual)
     h = x if residual is None else x + residual
     hf = h.float()
     k = partial_width(h.shape[-1], p)
-    ms = (hf if k == h.shape[-1] else hf[..., :k]).pow(2).mean(-1, keepdim=True)
+    hk = hf if k == h.shape[-1] else hf[..., :k]
+    if not exporting():
+        inv = 1.0 / _pow2_floor_at_least_1(hk.detach().abs().amax(-1, keepdim=True))
+        hf, hk, eps = hf * inv, hk * inv, eps * inv * inv
+    ms = hk.pow(2).mean(-1, keepdim=True)
     # x / sqrt(.) rather than x * rsqrt(.): the form onnxruntime's fusion recognises on export.
     y = hf / torch.sqrt(ms + eps)
     if weight is not None:

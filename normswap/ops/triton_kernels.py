@@ -32,6 +32,14 @@ launches: Counter = Counter()
 
 
 @triton.jit
+def _pow2_scale(m):
+    """The power of two just below m (mantissa bits cleared), at least 1: rows are divided by it before
+    squaring, so fp32 squares cannot overflow (|x| > ~1.8e19); exact, so unscaled rows are unchanged."""
+    bits = m.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.maximum(bits.to(tl.float32, bitcast=True), 1.0)
+
+
+@triton.jit
 def _load_h(X, R, H, cols, mask, HAS_RES: tl.constexpr, STORE_H: tl.constexpr):
     """h = x (+ residual) in fp32; with a residual, h is rounded to storage precision (and stored to H
     when STORE_H) so that forward and backward, which reloads h, normalise the same values."""
@@ -71,17 +79,26 @@ def _fwd_kernel(X, R, Y, H, W, RSTD,
         mask = cols < n_cols
         h = _load_h(X, R, H, cols, mask, HAS_RES, True)
         hk = tl.where(cols < k_cols, h, 0.0)
-        rstd = tl.rsqrt(tl.sum(hk * hk, axis=0) / k_cols + eps)
+        inv = 1.0 / _pow2_scale(tl.max(tl.abs(hk), axis=0))
+        hk = hk * inv
+        rstd = tl.rsqrt(tl.sum(hk * hk, axis=0) / k_cols + eps * inv * inv) * inv
         _store_y(Y, W, cols, mask, h, rstd, HAS_W)
     else:
         # Pass 1 reads only the first k columns: that is where pRMSNorm saves bandwidth.
+        # Squares of h / s, with s (a power of two) raised block by block and acc rescaled to match.
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        s = tl.full([], 1.0, tl.float32)
         for start in range(0, k_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < k_cols
             h = _load_h(X, R, H, cols, mask, HAS_RES, False)
-            acc += h * h
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / k_cols + eps)
+            s_new = tl.maximum(s, _pow2_scale(tl.max(tl.abs(h), axis=0)))
+            ratio = s / s_new
+            hs = h * (1.0 / s_new)
+            acc = acc * (ratio * ratio) + hs * hs
+            s = s_new
+        inv = 1.0 / s
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / k_cols + eps * inv * inv) * inv
         # Pass 2 recomputes h rather than reading back pass 1's stores: no cross-thread ordering to trust.
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -97,8 +114,8 @@ def _bwd_kernel(DY, H, W, RSTD, DHO, DX, DW_PART,
                 n_rows, n_cols, k_cols, rows_per_prog,
                 HAS_W: tl.constexpr, HAS_DW: tl.constexpr, HAS_DHO: tl.constexpr,
                 BLOCK: tl.constexpr, SINGLE: tl.constexpr):
-    # y = h * r * w with r = (mean(h[:k]^2) + eps)^-1/2. With g = dy * w and c = sum_j g_j h_j (all D
-    # columns: every y_j depends on r), dh = r * g - (r^3 c / k) * h * [j < k];  dw = sum_rows dy * h * r.
+    # y = h * r * w with r = (mean(h[:k]^2) + eps)^-1/2. With g = dy * w and c = sum_j g_j h_j r (all D
+    # columns: every y_j depends on r), dh = r * (g - (c / k) * h r * [j < k]);  dw = sum_rows dy * h r.
     pid = tl.program_id(0)
     row_start = pid * rows_per_prog
     row_end = tl.minimum(row_start + rows_per_prog, n_rows)
@@ -123,14 +140,15 @@ def _bwd_kernel(DY, H, W, RSTD, DHO, DX, DW_PART,
             h = tl.load(H + cols, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD)
             g = dy * w if HAS_W else dy
-            c = tl.sum(g * h, axis=0)
-            dh = rstd * g - (rstd * rstd * rstd * c / k_cols) * tl.where(cols < k_cols, h, 0.0)
+            hr = h * rstd   # = h / rms: O(1), so no product below can over- or underflow for large |h|
+            c = tl.sum(g * hr, axis=0)
+            dh = rstd * (g - (c / k_cols) * tl.where(cols < k_cols, hr, 0.0))
             if HAS_DHO:
                 # Fused residual: h also left the forward, so its own gradient joins here.
                 dh += tl.load(DHO + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + cols, dh.to(DX.dtype.element_ty), mask=mask)
             if HAS_DW:
-                dw += dy * h * rstd
+                dw += dy * hr
             DY += stride_dy
             H += stride_h
             DX += stride_dx
@@ -151,8 +169,8 @@ def _bwd_kernel(DY, H, W, RSTD, DHO, DX, DW_PART,
                 h = tl.load(H + cols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_W:
                     dy *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += dy * h
-            coef = rstd * rstd * rstd * tl.sum(acc, axis=0) / k_cols
+                acc += dy * (h * rstd)
+            coef = tl.sum(acc, axis=0) / k_cols
             for start in range(0, n_cols, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < n_cols
@@ -162,7 +180,8 @@ def _bwd_kernel(DY, H, W, RSTD, DHO, DX, DW_PART,
                     g = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
                 else:
                     g = dy
-                dh = rstd * g - coef * tl.where(cols < k_cols, h, 0.0)
+                hr = h * rstd
+                dh = rstd * (g - coef * tl.where(cols < k_cols, hr, 0.0))
                 if HAS_DHO:
                     dh += tl.load(DHO + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + cols, dh.to(DX.dtype.element_ty), mask=mask)
@@ -170,7 +189,7 @@ def _bwd_kernel(DY, H, W, RSTD, DHO, DX, DW_PART,
                     # The partial row is private to this program and each element is loaded and stored
                     # through the same pointer layout, so the read-modify-write needs no atomics.
                     acc_w = tl.load(part + cols, mask=mask, other=0.0)
-                    tl.store(part + cols, acc_w + dy * h * rstd, mask=mask)
+                    tl.store(part + cols, acc_w + dy * hr, mask=mask)
             DY += stride_dy
             H += stride_h
             DX += stride_dx

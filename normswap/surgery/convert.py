@@ -6,7 +6,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm, build_norm, norm_spec
-from normswap.ops import partial_width
+from normswap.ops import check_eps, partial_width
 from normswap.surgery.methods import get_method
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
@@ -16,12 +16,13 @@ DEFAULT_P = 0.0625
 
 
 def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
+    """The replacement, with the site's effective gain (weight + 1 for a "1P" norm); no gain if it is 1."""
     old = site.module
-    affine = getattr(old, "weight", None) is not None
+    affine = getattr(old, "weight", None) is not None or not bool((site.gain == 1).all())
     new = build_norm({"type": to, "width": site.width, "eps": site.eps, "p": p, "affine": affine}, like=old)
     if affine:
         with torch.no_grad():
-            new.weight.copy_(old.weight)
+            new.weight.copy_(site.gain.to(new.weight.device, new.weight.dtype))
     new.train(old.training)
     return new
 
@@ -67,6 +68,11 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
                               skipped=[vars(s) for s in skipped])
     if not sites:
         return report
+    for site in sites:  # before any edit: RMSNorm refuses eps <= 0 (NaN on an all-zero row)
+        try:
+            check_eps(site.eps)
+        except ValueError as e:
+            raise NormswapError(f"{site.name}: {e}") from None
     result = method_fn(model, sites)
     report.method = result.method
     report.added_biases = result.added_biases

@@ -1,12 +1,15 @@
-"""Exact LayerNorm -> RMSNorm conversion for pre-LN transformers: methods "exact" and "auto".
+"""Exact LayerNorm -> RMSNorm conversion for pre-LN models: methods "exact" and "auto".
 
-Why it is exact. LN(x) = g*(x - mean x)/sqrt(var x + eps) + b. If every vector added to the residual
-stream has zero mean over the hidden dim, every norm input has mean 0, so var x = mean(x^2) and
-LN(x) = RMSNorm_g(x) + b with the same eps. Hence, driven by a per-architecture adapter:
-1. centre the stream writers: token/position embedding rows (or an input projection) and the attention
-   and MLP output projections along their output dim, biases included (Conv1D stores (in, out));
+Why it is exact. LN(x) = g*(x - mean x)/sqrt(var x + eps) + b. If every term summed into a norm's input
+has zero mean over the normalised dim, the input has mean 0, so var x = mean(x^2) and
+LN(x) = RMSNorm_g(x) + b with the same eps. What to edit is discovered, not declared: one traced forward
+(`trace`) finds each norm's sources and readers and `plan.derive` turns them into steps:
+1. centre the sources along their output dim (per group of the norm's width, so per head for q/k norms):
+   Linear (out, in) along dim 0, Conv1D (in, out) along dim 1, untied Embedding rows, ConvNd output
+   channels, parameters added to the stream along their last dim, biases included;
 2. fold each norm bias into the layers reading that norm, c' = c + W b, creating a zero bias where there
-   is none (listed in added_biases); the final norm's bias goes into the head (or OPT's project_out).
+   is none (listed in added_biases); where a reader is not linear (or the norm's output is the model's)
+   the bias is kept after the norm as an output fix instead.
 Arithmetic in float64, results stored in the model's dtype.
 
 Tied embeddings. If lm_head.weight is E, centring E's rows changes the logits by -m_v * sum(y_t)
@@ -16,23 +19,28 @@ as is and its *output* is centred at lookup instead (an output fix, see `centrin
 the tie and the parameter count; the cost is one mean subtraction per input token. Untied embeddings
 are centred in place. Inputs passed as `inputs_embeds` must come from `get_input_embeddings()`.
 
-BLOOM's word_embeddings_layernorm sits between the embedding and the stream: its input is centred as
-above, but its output g*x_hat + b *is* the stream's first writer and has no zero mean for any gain, so
-its output is centred and its bias kept as centred(b) after it (same parameter count as the LayerNorm).
-A headless model's final norm keeps its bias after it the same way, without centring.
+A norm whose output is summed into the stream but read by nothing else (BLOOM's embedding norm, CLIP's
+pre_layrnorm) is a stream writer: its output is centred and its centred bias kept after it. A norm whose
+output is summed into the stream *and* read by a layer or the output is post-LN: the stream carries
+g*x_hat + b, whose mean depends on the input, so no exact form exists and the model is refused, naming
+the norm. So is a model whose output (or any layer) reads the unnormalised stream.
 
-What changes: hidden states inside the model are the centred originals; logits (a headless model's last
-hidden state) are unchanged. Post-LN models (BERT...) have no exact form and are refused.
+What changes: hidden states inside the model are the centred originals; the model's main output is
+unchanged.
 
-Verification: the original is deep-copied first (twice the memory during conversion); once `convert`
-has swapped the norms, both run on sample inputs in fp32 and eval mode, and a max relative error above
-TOLERANCE raises NormswapError: 1e-4 for fp32 models; for fp16/bf16 models (run through fp32 copies) the
-rewritten weights are rounded when stored, measured at up to ~7e-4 / ~5e-3, so 2e-3 / 2e-2.
-The in-memory model stays modified then; the CLI saves only after success.
+Verification: no copy of the model is made. Before any weight is edited, the model's main outputs on
+sample inputs are recorded in fp32 (`parity.reference_outputs`); a source whose outputs are NaN/inf is
+refused then, untouched. Once `convert` has swapped the norms, the converted model runs on the same
+inputs and a max relative error above TOLERANCE, or any non-finite output, raises NormswapError:
+1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in place for both runs and cast back (a
+lossless round trip; peak memory is then the fp32 model), and since their rewritten weights are rounded
+when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 / 2e-2.
+When verification fails the in-memory model stays converted (centred, biases folded, norms swapped,
+config.normswap filled): discard it or reload; the CLI saves only after success.
 """
 from __future__ import annotations
 
-import copy
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,102 +48,78 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.norms import PartialRMSNorm
-from normswap.parity import compare
-from normswap.surgery.adapters import NotExact, adapter_for
+from normswap.norms import is_rms_norm
+from normswap.parity import Reference, compare_to, reference_outputs, sample_inputs
 from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
+from normswap.surgery.plan import NormPlan, Plan, derive
+from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite, ensure_bias
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@dataclass
-class Plan:
-    consumers: dict[str, list[str]]   # norm -> layers reading it ([]: nothing, keep its bias after it)
-    writers: list[str]                # block layers writing the stream
-    embeddings: list[str]             # entry writers (or the embed norm's inputs)
-    embed_norm: str | None
+class NotExact(NormswapError):
+    """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
-def _is_linear(layer: nn.Module) -> bool:
-    return isinstance(layer, nn.Linear) or type(layer).__name__ == "Conv1D"  # transformers' (in, out) layer
+def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) -> Plan:
+    """Trace `model` once on `inputs` (default: its first sample input) and derive the plan; the plan's
+    `reason` is set where a norm cannot be made exact."""
+    if inputs is None:
+        try:
+            inputs = sample_inputs(model, batch=1, seq=8)[0]
+        except Exception as e:  # a model sample_inputs cannot feed
+            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({e})")
+                         for s in sites}, [])
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or is_rms_norm(m)}
+    try:
+        t = trace(model, inputs, norms | {s.name for s in sites})
+    except Exception as e:  # the forward itself failed: say so instead of a traceback
+        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {e}")
+                     for s in sites}, [])
+    return derive(model, t, sites)
 
 
-def _heads(model: nn.Module, backbone: nn.Module) -> list[str]:
-    """Linear heads reading the backbone's output; [] for a headless model."""
-    if backbone is model:
-        return []
-    others = [(n, m) for n, m in model.named_children() if m is not backbone]
-    unknown = [n for n, m in others if not isinstance(m, (nn.Linear, nn.Dropout))]
-    if unknown:
-        raise NotExact(f"head '{unknown[0]}' ({type(model.get_submodule(unknown[0])).__name__}) is not a Linear")
-    return [n for n, m in others if isinstance(m, nn.Linear)]
-
-
-def plan(model: nn.Module, sites: list[NormSite]) -> Plan:
-    """Resolve the model's adapter to module names; NotExact if it does not apply."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "base_model"):
-        raise NotExact("not a Hugging Face model (no config)")
-    arch = adapter_for(config)
-    backbone = model.base_model
-    prefix = "" if backbone is model else model.base_model_prefix + "."
-    names = dict(model.named_modules())
-
-    def find(path: str) -> str:
-        if path not in names:
-            raise NotExact(f"the {config.model_type} adapter expects a module '{path}' that this model lacks")
-        return path
-
-    consumers: dict[str, list[str]] = {}
-    writers: list[str] = []
-    for i in range(len(model.get_submodule(find(prefix + arch.blocks)))):
-        block = f"{prefix}{arch.blocks}.{i}."
-        consumers.update({block + n: [find(block + u) for u in users]
-                          for n, users in arch.norms.items() if block + n in names})
-        writers += [find(block + w) for w in arch.writers]
-    consumers[find(prefix + arch.final_norm)] = ([find(prefix + c) for c in arch.final_consumers]
-                                                 or _heads(model, backbone))
-    embed_norm = find(prefix + arch.embed_norm) if arch.embed_norm else None
-    if embed_norm:
-        consumers[embed_norm] = []
-    for s in sites:
-        if s.name not in consumers:
-            raise NotExact(f"the {config.model_type} adapter does not cover the norm {s.name}")
-    embeddings = [find(prefix + e) for e in arch.embeddings]
-    # Check every layer before touching any, so a refusal leaves the model as it was.
-    for name in writers + embeddings + [u for users in consumers.values() for u in users]:
-        if not (_is_linear(names[name]) or name in embeddings and isinstance(names[name], nn.Embedding)):
-            raise NotExact(f"{name} is a {type(names[name]).__name__}, not a Linear/Conv1D layer")
-    return Plan(consumers, writers, embeddings, embed_norm)
+def _checked_plan(model: nn.Module, sites: list[NormSite]) -> Plan:
+    p = plan(model, sites)
+    if p.reason:
+        raise NotExact(p.reason)
+    return p
 
 
 def exact_support(model: nn.Module, sites: list[NormSite]) -> str | None:
     """None if the exact method applies to `sites` of `model`, else the reason it does not."""
-    try:
-        plan(model, sites)
-    except NotExact as e:
-        return str(e)
-    return None
+    return plan(model, sites).reason
 
 
 def _update(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
 
-def _centre_writer(layer: nn.Module) -> None:
-    """Make every output of `layer` zero-mean: Linear (out, in) along dim 0; Conv1D (in, out) and
-    Embedding (rows) along dim 1."""
-    w = layer.weight.double()
-    _update(layer.weight, w - w.mean(0 if isinstance(layer, nn.Linear) else 1, keepdim=True))
-    if isinstance(layer, nn.Embedding):
+def _centre(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    """t with zero mean over consecutive groups of `group` entries along `dim`, in float64."""
+    x = t.double().movedim(dim, -1)
+    g = group if group and x.shape[-1] % group == 0 else x.shape[-1]
+    x = x.unflatten(-1, (-1, g))
+    return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
+
+
+def _centre_step(model: nn.Module, target: str, group: int) -> None:
+    """Make every output of a layer (or a parameter added to the stream) zero-mean per group."""
+    if target.startswith("param:"):
+        param = model.get_parameter(target[6:])
+        _update(param, _centre(param, -1, group))
         return
-    if getattr(layer, "bias", None) is not None:
-        _update(layer.bias, layer.bias.double() - layer.bias.double().mean())
+    layer = model.get_submodule(target)
+    dim = 1 if isinstance(layer, nn.Embedding) or type(layer).__name__ == "Conv1D" else 0
+    _update(layer.weight, _centre(layer.weight, dim, group))
+    if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
+        _update(layer.bias, _centre(layer.bias, 0, group))
 
 
 def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
-    """bias += W b for a consumer of a norm whose bias is b; True if the bias had to be created."""
+    """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
     w = layer.weight.double()
     shift = w @ b if isinstance(layer, nn.Linear) else b @ w
     bias, created = ensure_bias(layer)
@@ -143,14 +127,10 @@ def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     return created
 
 
-def _tied(model: nn.Module, param: nn.Parameter) -> bool:
-    return sum(p is param for _, p in model.named_parameters(remove_duplicate=False)) > 1
-
-
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` finishes and verifies the swapped model."""
 
-    def __init__(self, reference: nn.Module, fixes: dict, **kw):
+    def __init__(self, reference: Reference, fixes: dict, **kw):
         super().__init__("exact", **kw)
         self.reference, self.fixes = reference, fixes
 
@@ -164,20 +144,47 @@ class ExactResult(MethodResult):
             report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
                                    "exactly but the result is approximate (verification not enforced)")
         report.verification = verify(self.reference, model, enforce=not partial)
-        self.reference = None  # free the copy
+        self.reference = None  # free the recorded outputs
 
 
-def verify(reference: nn.Module, model: nn.Module, enforce: bool = True) -> dict:
-    """Compare outputs on sample inputs, both in fp32 and eval mode (a half model is checked through an
-    fp32 copy, so only the rounding of the rewritten weights counts); NormswapError beyond TOLERANCE."""
-    dtype = next(model.parameters()).dtype
-    training = model.training
-    probe = model if dtype in (torch.float32, torch.float64) else copy.deepcopy(model).float()
+@contextmanager
+def _fp32_eval(model: nn.Module):
+    """Run `model` with its fp16/bf16 tensors in fp32 and in eval mode, in place; restore dtypes and mode.
+
+    fp16/bf16 -> fp32 -> fp16/bf16 is exact, so the model comes back bit-identical without a copy."""
+    half = [t for t in [*model.parameters(), *model.buffers()] if t.dtype in (torch.float16, torch.bfloat16)]
+    dtypes, training = [t.dtype for t in half], model.training
     try:
-        parity = compare(reference.float().eval(), probe.eval())
+        for t in half:
+            t.data = t.data.float()
+        yield model.eval()
     finally:
+        for t, dtype in zip(half, dtypes):
+            t.data = t.data.to(dtype)
         model.train(training)
+
+
+def _reference(model: nn.Module) -> Reference:
+    """The unedited model's fp32 outputs; a source that gives NaN/inf cannot be called exact."""
+    with _fp32_eval(model):
+        ref = reference_outputs(model)
+    if ref.nonfinite:
+        raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
+                            "sample inputs: it is broken, so no conversion of it can be verified as exact")
+    return ref
+
+
+def verify(reference: Reference, model: nn.Module, enforce: bool = True) -> dict:
+    """Compare the converted model's outputs with the `reference` recorded before editing, in fp32 and
+    eval mode (only the rounding of the rewritten weights counts); NormswapError beyond TOLERANCE (when
+    `enforce`) and on any non-finite output (always)."""
+    dtype = next(model.parameters()).dtype
+    with _fp32_eval(model):
+        parity = compare_to(reference, model)
     tol = TOLERANCE.get(dtype, 1e-4)
+    if parity.nonfinite:
+        raise NormswapError(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
+                            f"non-finite (NaN/inf) {parity.output} values; nothing was saved")
     if enforce and not parity.max_rel <= tol:  # also catches NaN
         raise NormswapError(f"exact conversion failed verification: max relative {parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
@@ -186,32 +193,19 @@ def verify(reference: nn.Module, model: nn.Module, enforce: bool = True) -> dict
 
 @torch.no_grad()
 def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
-    reference = copy.deepcopy(model)
+    reference = _reference(model)   # before any edit: outputs, not a copy
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
-    for name in p.embeddings:
-        layer = model.get_submodule(name)
-        if isinstance(layer, nn.Embedding) and _tied(model, layer.weight):
-            if not hasattr(layer, "normswap_centre"):  # not centred by an earlier (filtered) conversion
-                fixes[name] = (True, None)   # see module docstring: centre at lookup, keep the tie
-        else:
-            _centre_writer(layer)
-    for name in p.writers:
-        _centre_writer(model.get_submodule(name))
-    if p.embed_norm:
-        fixes[p.embed_norm] = (True, None)  # its output enters the stream: centre it even if kept as LN
-    bias: dict[str, str] = {}
     added: list[str] = []
-    for s in sites:
-        b = None if s.bias is None else s.bias.detach().double()
-        if b is None or not b.any():
-            bias[s.name] = "none"
-            continue
-        bias[s.name] = "folded"
-        if p.consumers[s.name]:
-            added += [u for u in p.consumers[s.name] if _fold(model.get_submodule(u), b)]
-        else:
-            centre = s.name == p.embed_norm
-            fixes[s.name] = (centre, b - b.mean() if centre else b)
+    for step in p.steps:
+        if step.op == "centre":
+            _centre_step(model, step.target, step.group)
+        elif step.op == "fold":
+            b = model.get_submodule(step.norm).bias.detach().double()
+            added += [step.target] if _fold(model.get_submodule(step.target), b) else []
+        else:   # output fixes wait for the swap; the bias is read now, before the norm is replaced
+            b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
+            fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
+    bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
     return ExactResult(reference, fixes, bias=bias, added_biases=added)
 
 
@@ -219,7 +213,7 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
 def exact(model: nn.Module, sites: list[NormSite]) -> MethodResult:
     """Function-preserving: centre the residual writers, fold norm biases, verify after the swap."""
     try:
-        p = plan(model, sites)
+        p = _checked_plan(model, sites)
     except NotExact as e:
         raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the biases; "
                             "heal by fine-tuning) or --method auto") from None
@@ -228,9 +222,9 @@ def exact(model: nn.Module, sites: list[NormSite]) -> MethodResult:
 
 @register_method("auto")
 def auto(model: nn.Module, sites: list[NormSite]) -> MethodResult:
-    """exact where an adapter applies, otherwise naive with a warning."""
+    """exact where the trace shows it possible, otherwise naive with a warning."""
     try:
-        p = plan(model, sites)
+        p = _checked_plan(model, sites)
     except NotExact as e:
         result = naive(model, sites)
         result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "

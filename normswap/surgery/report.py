@@ -39,7 +39,7 @@ class ConversionReport:
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
 
-    def to_table(self) -> str:
+    def to_table(self, warnings: bool = True) -> str:
         rows = [("module", "replaced", "width", "eps", "to", "method", "bias", "|bias|")]
         rows += [(r.name, r.replaced, str(r.width), f"{r.eps:g}", r.to, r.method, r.bias, f"{r.bias_norm:.4g}")
                  for r in self.converted]
@@ -55,7 +55,23 @@ class ConversionReport:
             summary += f"; biases added to {len(self.added_biases)} layers"
         out = lines + [summary] if self.converted else [summary]
         out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
-        out += [f"warning: {w}" for w in self.warnings]
+        out += [f"warning: {w}" for w in self.warnings] if warnings else []
         return "\n".join(out)
 
     __str__ = to_table
+
+
+BIAS_FATE = {"fold": "exact: bias folded", "after": "exact: bias kept after the norm",
+             "stream": "exact: output centred, bias kept after", "none": "exact"}
+
+
+def _short(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" +{len(names) - n} more" if len(names) > n else "") if names else "-"
+
+
+def plan_lines(norm_plan) -> list[str]:
+    """What the trace found for one norm (a plan.NormPlan), as indented lines for `inspect`."""
+    lines = [f"    sources: {_short(norm_plan.sources)}", f"    readers: {_short(norm_plan.readers)}"]
+    if norm_plan.reason:
+        lines.append(f"    not exact: {norm_plan.reason}")
+    return lines

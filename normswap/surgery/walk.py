@@ -8,28 +8,39 @@ import torch
 from torch import nn
 
 from normswap.norms import is_rms_norm
+from normswap.surgery.probe import NotLayerNorm, probe
 
 FilterFn = Callable[[nn.Module, str], bool]
 
 
 @dataclass
 class NormSite:
-    """A LayerNorm that `convert` will replace."""
+    """A module that computes a LayerNorm over the last dim, which `convert` will replace.
+
+    gain, bias, eps are its *effective* values, measured by probing (`probe.py`), float64 on the
+    module's device: a `weight + 1` norm has gain weight + 1, a non-parametric one gain 1 and bias None.
+    Built with only (name, module), they are read from an nn.LayerNorm's attributes.
+    """
 
     name: str
-    module: nn.LayerNorm
+    module: nn.Module
+    gain: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    eps: float | None = None
+
+    def __post_init__(self):
+        if self.gain is None:  # an nn.LayerNorm taken at its word
+            m = self.module
+            d = int(m.normalized_shape[-1])
+            w = getattr(m, "weight", None)
+            self.gain = torch.ones(d, dtype=torch.float64) if w is None else w.detach().double()
+            b = getattr(m, "bias", None)
+            self.bias = None if b is None else b.detach().double()
+            self.eps = float(m.eps)
 
     @property
     def width(self) -> int:
-        return int(self.module.normalized_shape[-1])
-
-    @property
-    def eps(self) -> float:
-        return float(self.module.eps)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return getattr(self.module, "bias", None)
+        return int(self.gain.shape[-1])
 
     @property
     def bias_norm(self) -> float:
@@ -44,26 +55,69 @@ class Skipped:
     reason: str
 
 
+def _hidden_width(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for key in ("hidden_size", "d_model", "n_embd", "hidden_dim"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
+
+
+def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str | None]:
+    """(width to probe, None) for a possible LayerNorm; (None, reason) to skip it; (None, None): not one."""
+    cls = type(module).__name__
+    own = dict(module.named_parameters(recurse=False))
+    named = isinstance(module, nn.LayerNorm) or "layernorm" in cls.lower()
+    leaf = (next(module.children(), None) is None and ("weight" in own or "bias" in own)
+            and all(p.dim() == 1 for p in own.values()))
+    vectors = list(own.values())
+    if not (named or leaf):
+        return None, None
+    shape = getattr(module, "normalized_shape", None)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if shape is not None and len(shape) != 1:
+        return None, f"normalises over {shape}, not just the last dimension"
+    if any(p.dim() != 1 for p in vectors):
+        return None, f"gain/bias of shape {tuple(vectors[0].shape)}: not one vector over the last dimension"
+    widths = {int(p.shape[0]) for p in vectors} | ({int(shape[0])} if shape else set())
+    if len(widths) > 1:
+        return None, f"parameters of different widths {sorted(widths)}"
+    width = next(iter(widths), hidden)
+    return (width, None) if width else (None, "its width is unknown (no weight, bias or normalized_shape)")
+
+
 def find_norms(model: nn.Module, filter_fn: FilterFn | None = None):
-    """Walk `model`: (LayerNorms to convert, norms skipped with a reason, names of existing RMSNorms)."""
+    """Walk `model`: (LayerNorms to convert, modules skipped with a reason, names of existing RMSNorms).
+
+    Candidates are nn.LayerNorm (and subclasses), modules whose class name says LayerNorm and leaf
+    modules with only 1-D weight/bias; each is probed and kept only if it behaves as a LayerNorm over
+    the last dimension (see `probe`).
+    """
     sites: list[NormSite] = []
     skipped: list[Skipped] = []
     rms: list[str] = []
+    hidden = _hidden_width(model)
     for name, module in model.named_modules():
+        if any(name.startswith(s.name + "." if s.name else "") for s in sites):
+            continue  # inside a norm already found: replaced with it
         cls = type(module).__name__
         if is_rms_norm(module):
             rms.append(name)
-        elif isinstance(module, nn.LayerNorm):
-            if len(module.normalized_shape) != 1:
-                skipped.append(Skipped(name, cls, f"normalises over {tuple(module.normalized_shape)}, "
-                                                  "not just the last dimension"))
-            elif filter_fn is not None and not filter_fn(module, name):
-                skipped.append(Skipped(name, cls, "excluded by filter_fn"))
-            else:
-                sites.append(NormSite(name, module))
-        elif "LayerNorm" in cls or "GroupNorm" in cls:
-            # A norm that is not an nn.LayerNorm: its semantics (channels-first, fused...) are unknown.
-            skipped.append(Skipped(name, cls, "not an nn.LayerNorm subclass; semantics unknown"))
+            continue
+        width, reason = _candidate(module, hidden)
+        if reason:
+            skipped.append(Skipped(name, cls, reason))
+        if width is None:
+            continue
+        try:
+            found = probe(module, width)
+        except NotLayerNorm as e:
+            skipped.append(Skipped(name, cls, str(e)))
+            continue
+        if filter_fn is not None and not filter_fn(module, name):
+            skipped.append(Skipped(name, cls, "excluded by filter_fn"))
+        else:
+            sites.append(NormSite(name, module, found.gain, found.bias, found.eps))
     return sites, skipped, rms
 
 

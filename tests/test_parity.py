@@ -1,0 +1,135 @@
+"""Parity and exact verification without copies of the model, and non-finite outputs never pass."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import normswap
+from normswap.cli import main
+from normswap.errors import NormswapError
+from normswap.parity import compare, compare_to, main_output, reference_outputs, sample_inputs
+from normswap.surgery import exact
+from _exact_models import build, padded_batches
+
+
+@pytest.fixture
+def no_model_copies(monkeypatch):
+    """copy.deepcopy raises on any nn.Module (configs and dicts may still be copied)."""
+    real = copy.deepcopy
+
+    def guarded(obj, *a, **kw):
+        if isinstance(obj, nn.Module):
+            raise AssertionError(f"deepcopy of a {type(obj).__name__}")
+        return real(obj, *a, **kw)
+    monkeypatch.setattr(copy, "deepcopy", guarded)
+
+
+@torch.no_grad()
+def _fp64_parity(reference: nn.Module, model: nn.Module, inputs: list[dict]) -> tuple[float, float, float]:
+    """The deepcopy-era computation, written out: (max_abs, max_rel, kl) over unpadded positions."""
+    diffs, refs, kls = [], [], []
+    for batch in inputs:
+        a = main_output(reference(**batch))[1].double()
+        b = main_output(model(**batch))[1].double()
+        keep = batch["attention_mask"].bool()
+        a, b = a[keep], b[keep]
+        diffs.append((a - b).abs().max().item())
+        refs.append(a.abs().max().item())
+        la, lb = a.log_softmax(-1), b.log_softmax(-1)
+        kls.append((la.exp() * (la - lb)).sum(-1))
+    return max(diffs), max(diffs) / max(refs), torch.cat(kls).mean().item()
+
+
+@pytest.mark.parametrize("method", ["exact", "naive"])
+def test_outputs_reference_gives_the_deepcopy_numbers(method):
+    model = build("gpt2")
+    original = copy.deepcopy(model)           # the test's own copy, to check against
+    ref = reference_outputs(model, padded_batches())
+    report = normswap.convert(model, method=method)
+    got = compare_to(ref, model)
+    max_abs, max_rel, kl = _fp64_parity(original, model, padded_batches())
+    assert (got.max_abs, got.max_rel, got.kl) == (max_abs, max_rel, kl)
+    assert got.finite and got.ref_nonfinite == got.nonfinite == 0
+    assert (max_rel <= 1e-5) if method == "exact" else (max_rel > 0.05)
+    if method == "exact":   # verification: the same comparison on sample inputs, against a copy's outputs
+        expect = _fp64_parity(original, model, sample_inputs(original))
+        assert report.verification["max_abs"] == expect[0] and report.verification["max_rel"] == expect[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_convert_makes_no_copy_and_restores_dtypes(no_model_copies, dtype):
+    model = build("gpt2").to(dtype)
+    report = normswap.convert(model, method="exact")
+    assert report.verification["max_rel"] <= exact.TOLERANCE[dtype]
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert not model.training
+
+
+def test_cli_convert_makes_no_copy(no_model_copies, tmp_path):
+    build("gpt2").save_pretrained(tmp_path / "src")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "parity vs original (logits)" in result.output
+
+
+def _nan_weight(model: nn.Module, name: str = "transformer.h.0.mlp.c_fc.weight") -> nn.Module:
+    with torch.no_grad():
+        model.get_parameter(name)[0, 0] = float("nan")
+    return model
+
+
+def test_parity_counts_nan_on_either_side():
+    model = build("gpt2")
+    broken = _nan_weight(copy.deepcopy(model))
+    for p, side in ((compare(model, broken), "nonfinite"), (compare(broken, model), "ref_nonfinite")):
+        assert getattr(p, side) > 0 and not p.finite
+        assert p.max_abs != p.max_abs and "NON-FINITE" in str(p)   # NaN, not Python max's 0.0
+        assert json.loads(json.dumps(p.to_dict()))["max_abs"] is None   # valid JSON
+    assert compare(model, model).max_abs == 0.0 and compare(model, model).finite
+
+
+def test_exact_refuses_a_nan_source_and_leaves_it_untouched():
+    model = _nan_weight(build("gpt2"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NormswapError, match="source model gives .* non-finite"):
+        normswap.convert(model, method="exact")
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
+    assert not any(isinstance(m, normswap.RMSNorm) for m in model.modules())
+
+
+def test_exact_verify_refuses_a_nan_converted_model_even_unenforced():
+    model = build("gpt2")
+    ref = reference_outputs(model)
+    _nan_weight(model)
+    for enforce in (True, False):
+        with pytest.raises(NormswapError, match="converted model gives .* non-finite"):
+            exact.verify(ref, model, enforce=enforce)
+
+
+def test_cli_never_saves_a_nan_model(tmp_path):
+    _nan_weight(build("gpt2")).save_pretrained(tmp_path / "src")
+    for method in ("exact", "naive"):
+        out = tmp_path / method
+        r = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", method,
+                                      "-o", str(out)])
+        assert r.exit_code == 1 and not out.exists(), r.output
+        assert len(r.output.strip().splitlines()) == 1 and "non-finite" in r.output
+
+
+def test_cli_reports_a_nan_source_that_naive_made_finite(tmp_path):
+    model = build("gpt2")
+    with torch.no_grad():
+        model.transformer.ln_f.bias[0] = float("nan")   # naive drops this bias: the result is finite
+    model.save_pretrained(tmp_path / "src")
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "naive",
+                                  "-o", str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    parity = json.loads(r.output)["parity"]
+    assert parity["ref_nonfinite"] > 0 and parity["nonfinite"] == 0 and parity["max_abs"] is None

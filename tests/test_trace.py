@@ -1,0 +1,136 @@
+"""The traced plan on architectures no adapter ever described: exact to 1e-5, or refused with the norm named."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import normswap
+from normswap import parity
+from normswap.errors import NormswapError
+from normswap.parity import compare
+from normswap.surgery import exact, find_norms
+from _exact_models import perturb
+
+V, D = 101, 32
+LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+VISION = dict(hidden_size=D, image_size=32, patch_size=8, **LAYERS)
+
+
+def _ids(n: int = 9, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+
+MODELS = {
+    "gpt_bigcode": (lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=V, n_embd=D, n_layer=2,
+                                                                         n_head=4, n_positions=64)),
+                    {"input_ids": _ids()}),
+    "stablelm": (lambda: tf.StableLmForCausalLM(tf.StableLmConfig(
+        vocab_size=V, hidden_size=D, num_key_value_heads=2, partial_rotary_factor=0.25, use_qkv_bias=True,
+        **LAYERS)), {"input_ids": _ids()}),
+    "phi-qk_layernorm": (lambda: tf.PhiForCausalLM(tf.PhiConfig(vocab_size=V, hidden_size=D, qk_layernorm=True,
+                                                                **LAYERS)), {"input_ids": _ids()}),
+    "vit": (lambda: tf.ViTModel(tf.ViTConfig(**VISION)), {"pixel_values": PIXELS}),
+    "clip-text": (lambda: tf.CLIPTextModel(tf.CLIPTextConfig(vocab_size=V, hidden_size=D, max_position_embeddings=64,
+                                                             **LAYERS)), {"input_ids": _ids()}),
+    "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
+        text_config=dict(vocab_size=V, hidden_size=D, max_position_embeddings=64, **LAYERS),
+        vision_config=VISION, projection_dim=16)), {"input_ids": _ids(), "pixel_values": PIXELS}),
+}
+
+
+def _build(name: str):
+    make, inputs = MODELS[name]
+    torch.manual_seed(0)
+    return perturb(make()).eval(), inputs
+
+
+@pytest.fixture
+def feed(monkeypatch):
+    """Make the trace and the verification use the given inputs (sample_inputs knows token ids and pixels
+    only; CLIP needs both)."""
+    def use(inputs):
+        for mod in (parity, exact):
+            monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: [inputs])
+    return use
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_traced_exact(name, feed, tmp_path):
+    model, inputs = _build(name)
+    feed(inputs)
+    reference, naive = copy.deepcopy(model), copy.deepcopy(model)
+    normswap.convert(naive, method="naive")
+    assert compare(reference, naive, [inputs]).max_rel > 0.05   # the perturbation matters
+    report = normswap.convert(model, method="exact")
+    assert not [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert report.verification["enforced"] and compare(reference, model, [inputs]).max_rel <= 1e-5
+    normswap.save_pretrained(model, tmp_path / "m")
+    loaded = normswap.from_pretrained(tmp_path / "m")
+    assert compare(model, loaded, [inputs]).max_abs == 0.0
+
+
+def test_plan_names_sources_readers_and_bias_fate():
+    model, inputs = _build("vit")
+    p = exact.plan(model, find_norms(model)[0], inputs)
+    ln = p.norms["layers.0.layernorm_before"]
+    assert ln.sources == ["layer:embeddings.patch_embeddings.projection", "param:embeddings.cls_token",
+                          "param:embeddings.position_embeddings"]
+    assert sorted(ln.readers) == [f"layers.0.attention.{x}_proj" for x in "kqv"]
+    final = p.norms["layernorm"]   # read by the pooler and the output: its bias stays after it
+    assert final.bias == "after" and final.readers == ["pooler.dense"]
+    assert {"layer:layers.1.mlp.fc2", "layer:layers.1.attention.o_proj"} < set(final.sources)
+    assert {s.op for s in p.steps} == {"centre", "fold", "fix"} and all(isinstance(s.target, str) for s in p.steps)
+
+
+def test_qk_norms_centred_per_head():
+    model, inputs = _build("phi-qk_layernorm")
+    p = exact.plan(model, find_norms(model)[0], inputs)
+    q = p.norms["model.layers.0.self_attn.q_layernorm"]
+    assert q.sources == ["layer:model.layers.0.self_attn.q_proj"] and q.bias == "after" and q.width == D // 4
+    assert any(s.op == "centre" and s.target.endswith("q_proj") and s.group == D // 4 for s in p.steps)
+
+
+def _bert():
+    cfg = tf.BertConfig(vocab_size=V, hidden_size=D, max_position_embeddings=64, **LAYERS)
+    return perturb(tf.BertModel(cfg)).eval()
+
+
+@pytest.mark.parametrize("make, reason", [
+    (_bert, "embeddings.LayerNorm is post-LN"),
+    (lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=D, ffn_dim=64, num_hidden_layers=2,
+                                            num_attention_heads=4, do_layer_norm_before=False)), "is post-LN"),
+    (lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=D, n_layer=2, n_head=4,
+                                                apply_residual_connection_post_layernorm=True)),
+     "h.0.input_layernorm is post-LN"),
+    (lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**VISION)), "model output is the unnormalised residual stream"),
+])
+def test_refused_from_the_graph_with_the_norm_named(make, reason):
+    model = perturb(make()).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NormswapError, match=reason):
+        normswap.convert(model, method="exact")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # untouched
+
+
+def test_inspect_shows_the_traced_plan(tmp_path):
+    import json
+    from click.testing import CliRunner
+    from normswap.cli import main
+    from _exact_models import build
+    build("gpt2").save_pretrained(tmp_path / "gpt2")
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "gpt2")]).output
+    assert "transformer.h.0.ln_1  LayerNorm" in shown and "(exact: bias folded)" in shown
+    assert "    sources: layer:transformer.wpe, layer:transformer.wte\n    readers: transformer.h.0.attn.c_attn" in shown
+    rows = json.loads(CliRunner().invoke(main, ["inspect", str(tmp_path / "gpt2"), "--json"]).output)["norms"]
+    final = next(r for r in rows if r["name"] == "transformer.ln_f")
+    assert final["plan"]["readers"] == ["lm_head"] and final["plan"]["bias"] == "fold"
+    assert len(final["plan"]["sources"]) == 6 and final["plan"]["reason"] is None   # wte, wpe, 2 x (attn, mlp)
+    _bert().save_pretrained(tmp_path / "bert")
+    shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "bert")]).output
+    assert "    not exact: embeddings.LayerNorm is post-LN" in shown
