@@ -200,6 +200,8 @@ def test_template_norm_matches_normswap(p, dtype):
     xd = x.double()
     ref = xd / torch.sqrt(xd[..., :k].pow(2).mean(-1, keepdim=True) + 1e-5) * w.to(dtype).double()
     assert torch.equal(shipped(x), ours(x))
+    huge = x.float() * 1e30  # squares overflow fp32 without the row scaling both implementations do
+    assert torch.equal(shipped.float()(huge), ours.float()(huge)) and shipped.float()(huge).isfinite().all()
     tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
     assert ((shipped(x).double() - ref).abs() / ref.abs().clamp_min(1)).max() <= tol
 
@@ -216,3 +218,11 @@ def test_cli_output_is_self_describing(tmp_path):
     result = CliRunner().invoke(main, ["inspect", str(tmp_path / "out")])  # read back by the CLI
     assert result.exit_code == 0, result.output
     assert "transformer.ln_f" in result.output
+
+
+def test_template_partial_width_matches_normswap():
+    from normswap.ops import partial_width
+    for d in (1, 7, 32, 100, 256, 4096):
+        for p in (None, 0.01, 0.0625, 0.07, 0.1, 0.3, 1 / 3, 0.5, 0.999, 1.0):
+            assert template.partial_width(d, p) == partial_width(d, p), (d, p)
+    assert template.partial_width(100, 0.07) == 7

@@ -1,4 +1,4 @@
-"""Rebuilds a model converted by normswap (https://pypi.org/project/normswap/) without normswap installed.
+"""Rebuilds a model converted by normswap without normswap installed.
 
 This file is written next to config.json by normswap's save_pretrained and loaded by transformers'
 Auto classes with trust_remote_code=True. It needs only torch and transformers: it builds the
@@ -14,8 +14,21 @@ import torch
 from torch import nn
 
 
+def partial_width(d: int, p: float | None) -> int:
+    """Features pRMSNorm reads: ceil(p * d), at least 1, where p * d within 1e-12 of an integer is that
+    integer (p=0.07, d=100 gives 7, as the decimal says)."""
+    if p is None:
+        return d
+    x = p * d
+    n = round(x)
+    return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; squares and mean in fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; squares and mean in fp32.
+
+    Each row is first divided by the power of two below its max |x| (never scaled up): exact, so the
+    same values, but no fp32 overflow of the squares for |x| > ~1.8e19. Same arithmetic as normswap's."""
 
     def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
                  p: float | None = None):
@@ -29,10 +42,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        d = x.shape[-1]
-        k = d if self.p is None else max(1, min(d, math.ceil(self.p * d)))  # pRMSNorm: first k features
-        ms = (xf if k == d else xf[..., :k]).pow(2).mean(-1, keepdim=True)
-        y = xf / torch.sqrt(ms + self.eps)
+        k = partial_width(x.shape[-1], self.p)  # pRMSNorm: the first k features
+        xk = xf if k == x.shape[-1] else xf[..., :k]
+        m = xk.detach().abs().amax(-1, keepdim=True)
+        inv = 1.0 / (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+        xf, xk, eps = xf * inv, xk * inv, self.eps * inv * inv
+        y = xf / torch.sqrt(xk.pow(2).mean(-1, keepdim=True) + eps)
         if self.weight is not None:
             y = y * self.weight.float()
         return y.to(x.dtype)
