@@ -26,6 +26,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
 from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
 from normswap.demo import DEMO_DIR, DEMO_NAME
 from normswap import schema
+from normswap.hub import make_self_describing
 from normswap.errors import NormswapError
 from normswap.norms import build_norm
 from normswap.surgery.centring import apply_output_fixes
@@ -121,7 +122,8 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool | Non
     if src == DEMO_NAME and dtype is None:
         dtype = "float32"
     if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code
-        return from_pretrained(where, dtype=dtype, allow_missing_weights=allow).eval(), load_tokenizer(where)
+        model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow).eval()
+        return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust)
         if getattr(config, "normswap", None):
@@ -168,12 +170,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
                    "spiece.model")
 
 
-def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = False):
+def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = False, config=None):
     """The model's tokenizer, or None when it has none (transformers 5 would build an empty one)."""
     if local and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
         return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code,
+                                                  config=config)
     except Exception:
         return None
     return tokenizer if len(tokenizer) > 0 else None
@@ -197,6 +200,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
                                                        "model_type": model.config.model_type})
             section["checksum"] = schema.checksum(section, tmp / WEIGHTS)
         model.config.save_pretrained(tmp)
+        make_self_describing(tmp, model)  # modeling file + auto_map: loads in transformers without normswap
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)

@@ -1,0 +1,109 @@
+"""Rebuilds a model converted by normswap without normswap installed.
+
+This file is written next to config.json by normswap's save_pretrained and loaded by transformers'
+Auto classes with trust_remote_code=True. It needs only torch and transformers: it builds the
+original architecture, then replaces the norms listed in config.normswap["norms"] by RMSNorm /
+PartialRMSNorm, adds the biases listed in "added_biases" and the output fixes in "output_fixes";
+the weights file then fills every parameter. The classes at the end of the file are generated.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def partial_width(d: int, p: float | None) -> int:
+    """Features pRMSNorm reads: ceil(p * d), at least 1, where p * d within 1e-12 of an integer is that
+    integer (p=0.07, d=100 gives 7, as the decimal says)."""
+    if p is None:
+        return d
+    x = p * d
+    n = round(x)
+    return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; squares and mean in fp32.
+
+    Each row is first divided by the power of two below its max |x| (never scaled up): exact, so the
+    same values, but no fp32 overflow of the squares for |x| > ~1.8e19. Same arithmetic as normswap's."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
+                 p: float | None = None):
+        super().__init__()
+        self.normalized_shape, self.eps, self.p = int(normalized_shape), float(eps), p
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        k = partial_width(x.shape[-1], self.p)  # pRMSNorm: the first k features
+        xk = xf if k == x.shape[-1] else xf[..., :k]
+        m = xk.detach().abs().amax(-1, keepdim=True)
+        inv = 1.0 / (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+        xf, xk, eps = xf * inv, xk * inv, self.eps * inv * inv
+        y = xf / torch.sqrt(xk.pow(2).mean(-1, keepdim=True) + eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        p = "" if self.p is None else f", p={self.p}"
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{p}"
+
+
+class PartialRMSNorm(RMSNorm):
+    """pRMSNorm: the RMS is estimated from the first ceil(p * d) features."""
+
+
+def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    if module.normswap_centre:
+        out = out - out.float().mean(-1, keepdim=True).to(out.dtype)
+    bias = getattr(module, "normswap_bias", None)
+    return out if bias is None else out + bias
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def apply_normswap(model: nn.Module, section: dict) -> None:
+    """Turn the freshly built original architecture into the converted one (parameters: placeholders)."""
+    for name, spec in section.get("norms", {}).items():
+        old = model.get_submodule(name)
+        cls = PartialRMSNorm if spec["type"] == "prmsnorm" else RMSNorm
+        new = cls(spec["width"], eps=spec["eps"], elementwise_affine=spec["affine"],
+                  p=spec["p"] if spec["type"] == "prmsnorm" else None)
+        ref = getattr(old, "weight", None)
+        _set(model, name, new.to(ref.device, ref.dtype) if ref is not None else new)
+    for name in section.get("added_biases", []):
+        layer = model.get_submodule(name)
+        if getattr(layer, "bias", None) is None:
+            w = layer.weight
+            width = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # GPT-2's Conv1D is (in, out)
+            layer.bias = nn.Parameter(torch.zeros(width, device=w.device, dtype=w.dtype))
+    for name, spec in section.get("output_fixes", {}).items():  # after the norms: a fix may sit on one
+        module = model.get_submodule(name)
+        if spec["bias"]:
+            ref = next(module.parameters(), None)
+            kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
+            module.normswap_bias = nn.Parameter(torch.zeros(spec["bias"], **kw))
+        module.normswap_centre = bool(spec["centre"])
+        module.register_forward_hook(_fix_output)
+
+
+class NormswapMixin:
+    """Put first in the bases of a transformers model class: builds it, then applies config.normswap."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        apply_normswap(self, config.normswap)
+
+
+# ---- generated by normswap for this model ----
