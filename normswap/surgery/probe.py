@@ -105,7 +105,8 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
         except Exception:
             continue
     else:
-        raise NotLayerNorm(f"cannot be called on a tensor of shape (..., {d}) alone")
+        raise NotLayerNorm(f"fails on a tensor of shape (..., {d}) alone: not a last-dimension norm "
+                           "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
         raise NotLayerNorm("returns non-finite values on ordinary inputs")
     b = y[0]

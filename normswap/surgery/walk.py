@@ -67,9 +67,10 @@ def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str |
     """(width to probe, None) for a possible LayerNorm; (None, reason) to skip it; (None, None): not one."""
     cls = type(module).__name__
     own = dict(module.named_parameters(recurse=False))
-    named = isinstance(module, nn.LayerNorm) or "layernorm" in cls.lower()
-    leaf = (next(module.children(), None) is None and ("weight" in own or "bias" in own)
-            and all(p.dim() == 1 for p in own.values()))
+    leaf = next(module.children(), None) is None
+    # a LayerNorm class has no submodules (Wav2Vec2LayerNormConvLayer is a block, not a norm)
+    named = isinstance(module, nn.LayerNorm) or leaf and "layernorm" in cls.lower()
+    leaf = leaf and ("weight" in own or "bias" in own) and all(p.dim() == 1 for p in own.values())
     vectors = list(own.values())
     if not (named or leaf):
         return None, None
