@@ -112,12 +112,23 @@ def test_naive_uses_effective_gain(case):
     torch.testing.assert_close(new(x.float()).double(), ref, rtol=1e-5, atol=1e-5)
 
 
+class NoLayerNormBlock(nn.Module):
+    """A block whose name mentions LayerNorm (like Wav2Vec2NoLayerNormConvLayer): not a candidate."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
 def test_skips_what_is_not_a_layernorm():
     model = nn.ModuleDict({
         "gn": nn.GroupNorm(1, D), "gn4": nn.GroupNorm(4, D), "bn": nn.BatchNorm1d(D),
         "channels_first": ConvNextLayerNorm(D, data_format="channels_first"),
         "rms_in_disguise": FakeLayerNorm(D), "scale": Scale(D), "ln2d": nn.LayerNorm((4, D)),
-        "ok": _perturbed(nn.LayerNorm(D)),
+        "ok": _perturbed(nn.LayerNorm(D)), "block": NoLayerNormBlock(D),
     })
     model.train()
     bn_before = model["bn"].running_mean.clone(), int(model["bn"].num_batches_tracked)

@@ -115,6 +115,9 @@ def find_norms(model: nn.Module, filter_fn: FilterFn | None = None):
         except NotLayerNorm as e:
             skipped.append(Skipped(name, cls, str(e)))
             continue
+        except Exception as e:  # e.g. weights that cannot be cast or copied: leave the module alone
+            skipped.append(Skipped(name, cls, f"could not be probed ({type(e).__name__})"))
+            continue
         if filter_fn is not None and not filter_fn(module, name):
             skipped.append(Skipped(name, cls, "excluded by filter_fn"))
         else:
