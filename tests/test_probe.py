@@ -80,6 +80,7 @@ def _cases():
         "hard-eps": (h, h.w.double(), h.b.double(), 1e-3),
         "no-affine-tiny-eps": (nn.LayerNorm(D, eps=1e-12, elementwise_affine=False),
                                torch.ones(D, dtype=torch.float64), None, 1e-12),
+        "zero-eps": (nn.LayerNorm(D, eps=0.0, elementwise_affine=False), torch.ones(D, dtype=torch.float64), None, 0.0),
     }
 
 
@@ -90,7 +91,7 @@ def test_probe_finds_effective_gain_bias_eps(case):
     sites, skipped, _ = find_norms(model)
     assert len(sites) == 1 and not skipped, skipped
     s = sites[0]
-    assert s.eps == pytest.approx(eps, rel=1e-9)
+    assert s.eps == pytest.approx(eps, rel=1e-9, abs=0)
     torch.testing.assert_close(s.gain, gain, rtol=0, atol=1e-12)
     assert (s.bias is None) == (bias is None)
     if bias is not None:

@@ -2,7 +2,7 @@
 
 `probe(module, width)` runs a copy of the module on a few chosen rows (float64 where it accepts it) and
 solves for its *effective* gain g, bias b and eps from LN(x) = g*(x - mean x)/sqrt(var x + eps) + b:
-- a zero row gives b (its normalised form is 0);
+- rows x and -x give b (the normalised part is odd in x; no 0/0 when eps = 0);
 - rows z of mean 0, variance 1 scaled by s give g*z*s/sqrt(s^2 + eps) + b: a large s gives g, a
   smaller s the factor that reveals eps (the scale with the most informative factor is used);
 - random rows with random means and scales, some with variance near eps, must then match the formula.
@@ -93,10 +93,9 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     d = width
     g = torch.Generator().manual_seed(seed)
     z, zs = _unit_rows(3, d, g), _unit_rows(len(SCALES), d, g)
-    x = torch.cat([torch.zeros(1, d, dtype=torch.float64), z, zs * torch.tensor(SCALES)[:, None]])
     for runner, dtype in _copies(module):
         big = 1e3 if dtype in (torch.float16, torch.bfloat16) else 1e4
-        x[1:4] = big * z
+        x = torch.cat([-big * z[:1], big * z, zs * torch.tensor(SCALES)[:, None]])
         try:
             y = _call(runner, x.to(device, dtype)).cpu()
             break
@@ -109,7 +108,7 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
                            "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
         raise NotLayerNorm("returns non-finite values on ordinary inputs")
-    b = y[0]
+    b = (y[0] + y[1]) / 2   # the normalised part is odd in x: LN(x) + LN(-x) = 2b
     gain = ((y[1:4] - b) * z).sum(0) / z.pow(2).sum(0)   # least squares per feature, a(big) ~ 1
     if not gain.abs().max() > 0:
         raise NotLayerNorm("its output does not depend on its input")
