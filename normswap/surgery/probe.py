@@ -82,6 +82,11 @@ def _snap(eps: float) -> float:
     return nice if abs(nice - eps) <= 1e-3 * eps else eps
 
 
+def _first(names, name: str) -> list[str]:
+    """`names` with `name` first: a parameter called weight (bias) is the likeliest gain (bias)."""
+    return sorted(names, key=lambda n: n != name)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool((a - b).abs().max() <= tol)
 
@@ -129,12 +134,13 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     # snap to the module's own parameters where they are what was measured
     rel = 3e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4  # covers modules computing in fp32
     tol = rel * float(gain.abs().max() + b.abs().max())
-    own = [p.detach().double().cpu() for p in module.parameters(recurse=False) if p.shape == (d,)]
-    gain = next((v for p in own for v in (p, p + 1) if _close(gain, v, tol)), gain)  # v = p + 1: "1P" norms
-    if _close(gain, torch.ones_like(gain), tol):
+    own = {n: p.detach().double().cpu() for n, p in module.named_parameters(recurse=False) if p.shape == (d,)}
+    used, gain = next(((n, v) for n in _first(own, "weight") for v in (own[n], own[n] + 1) if _close(gain, v, tol)),
+                      (None, gain))   # own[n] + 1: "1P" norms
+    if used is None and _close(gain, torch.ones_like(gain), tol):
         gain = torch.ones_like(gain)   # a non-parametric LayerNorm
     has_bias = isinstance(getattr(module, "bias", None), torch.Tensor)
-    b = next((p for p in own if _close(b, p, tol)), b)
+    b = next((own[n] for n in _first(own, "bias") if n != used and _close(b, own[n], tol)), b)
     if not has_bias and _close(b, torch.zeros_like(b), tol):
         b = None
     # confirm on rows it has not seen: random means, scales from large down to ~sqrt(eps)
