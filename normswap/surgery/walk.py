@@ -75,7 +75,9 @@ def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str |
     if not (named or leaf):
         return None, None
     shape = getattr(module, "normalized_shape", None)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
     if shape is not None and len(shape) != 1:
         return None, f"normalises over {shape}, not just the last dimension"
     if any(p.dim() != 1 for p in vectors):
