@@ -80,6 +80,11 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
     if main not in ("input_ids", "pixel_values", "input_features"):
         raise NormswapError(f"cannot build sample inputs for a model whose main input is '{main}'")
     text = "input_ids" in params and main == "input_ids"
+    # CLIP-like: text and image side by side (not a model that splices image tokens into the text)
+    two_towers = ("pixel_values" in params and _cfg(config, "image_size") is not None
+                  and all(getattr(config, k, None) is None for k in ("image_token_id", "image_token_index")))
+    if main == "input_features" and _cfg(config, "num_mel_bins") is None:
+        raise NormswapError("cannot build sample inputs: input_features without num_mel_bins (not Whisper-like)")
     seq2seq = bool(getattr(config, "is_encoder_decoder", False)) and "decoder_input_ids" in params
     n = _length(config, seq * 2 + 1, "max_position_embeddings", "n_positions")
     out = []
@@ -92,13 +97,13 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
             x["attention_mask"] = torch.ones(b, s, dtype=torch.long)
             if b > 1:
                 x["attention_mask"][1:, s // 2:] = 0   # right-padded rows: padding must not matter
-        if main == "pixel_values" or "pixel_values" in params and _cfg(config, "image_size"):
+        if main == "pixel_values" or two_towers:
             size = _cfg(config, "image_size")
             h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
             x["pixel_values"] = torch.randn(b, _cfg(config, "num_channels", 3), h, w, generator=g).to(dtype)
         if main == "input_features":   # Whisper: (batch, mel bins, 2 * encoder positions)
             frames = 2 * _cfg(config, "max_source_positions", 1500)
-            x["input_features"] = torch.randn(b, _cfg(config, "num_mel_bins", 80), frames, generator=g).to(dtype)
+            x["input_features"] = torch.randn(b, _cfg(config, "num_mel_bins"), frames, generator=g).to(dtype)
         if seq2seq:   # as long as the encoder input: compare's mask then covers both
             start = getattr(config, "decoder_start_token_id", None)
             d = _length(config, s, "max_target_positions", "max_position_embeddings")

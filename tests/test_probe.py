@@ -80,6 +80,7 @@ def _cases():
         "hard-eps": (h, h.w.double(), h.b.double(), 1e-3),
         "no-affine-tiny-eps": (nn.LayerNorm(D, eps=1e-12, elementwise_affine=False),
                                torch.ones(D, dtype=torch.float64), None, 1e-12),
+        "zero-eps": (nn.LayerNorm(D, eps=0.0, elementwise_affine=False), torch.ones(D, dtype=torch.float64), None, 0.0),
     }
 
 
@@ -90,7 +91,7 @@ def test_probe_finds_effective_gain_bias_eps(case):
     sites, skipped, _ = find_norms(model)
     assert len(sites) == 1 and not skipped, skipped
     s = sites[0]
-    assert s.eps == pytest.approx(eps, rel=1e-9)
+    assert s.eps == pytest.approx(eps, rel=1e-9, abs=0)
     torch.testing.assert_close(s.gain, gain, rtol=0, atol=1e-12)
     assert (s.bias is None) == (bias is None)
     if bias is not None:
@@ -112,12 +113,23 @@ def test_naive_uses_effective_gain(case):
     torch.testing.assert_close(new(x.float()).double(), ref, rtol=1e-5, atol=1e-5)
 
 
+class NoLayerNormBlock(nn.Module):
+    """A block whose name mentions LayerNorm (like Wav2Vec2NoLayerNormConvLayer): not a candidate."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
 def test_skips_what_is_not_a_layernorm():
     model = nn.ModuleDict({
         "gn": nn.GroupNorm(1, D), "gn4": nn.GroupNorm(4, D), "bn": nn.BatchNorm1d(D),
         "channels_first": ConvNextLayerNorm(D, data_format="channels_first"),
         "rms_in_disguise": FakeLayerNorm(D), "scale": Scale(D), "ln2d": nn.LayerNorm((4, D)),
-        "ok": _perturbed(nn.LayerNorm(D)),
+        "ok": _perturbed(nn.LayerNorm(D)), "block": NoLayerNormBlock(D),
     })
     model.train()
     bn_before = model["bn"].running_mean.clone(), int(model["bn"].num_batches_tracked)

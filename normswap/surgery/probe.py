@@ -2,7 +2,7 @@
 
 `probe(module, width)` runs a copy of the module on a few chosen rows (float64 where it accepts it) and
 solves for its *effective* gain g, bias b and eps from LN(x) = g*(x - mean x)/sqrt(var x + eps) + b:
-- a zero row gives b (its normalised form is 0);
+- rows x and -x give b (the normalised part is odd in x; no 0/0 when eps = 0);
 - rows z of mean 0, variance 1 scaled by s give g*z*s/sqrt(s^2 + eps) + b: a large s gives g, a
   smaller s the factor that reveals eps (the scale with the most informative factor is used);
 - random rows with random means and scales, some with variance near eps, must then match the formula.
@@ -82,6 +82,11 @@ def _snap(eps: float) -> float:
     return nice if abs(nice - eps) <= 1e-3 * eps else eps
 
 
+def _first(names, name: str) -> list[str]:
+    """`names` with `name` first: a parameter called weight (bias) is the likeliest gain (bias)."""
+    return sorted(names, key=lambda n: n != name)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool((a - b).abs().max() <= tol)
 
@@ -93,10 +98,9 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     d = width
     g = torch.Generator().manual_seed(seed)
     z, zs = _unit_rows(3, d, g), _unit_rows(len(SCALES), d, g)
-    x = torch.cat([torch.zeros(1, d, dtype=torch.float64), z, zs * torch.tensor(SCALES)[:, None]])
     for runner, dtype in _copies(module):
         big = 1e3 if dtype in (torch.float16, torch.bfloat16) else 1e4
-        x[1:4] = big * z
+        x = torch.cat([-big * z[:1], big * z, zs * torch.tensor(SCALES)[:, None]])
         try:
             y = _call(runner, x.to(device, dtype)).cpu()
             break
@@ -105,10 +109,11 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
         except Exception:
             continue
     else:
-        raise NotLayerNorm(f"cannot be called on a tensor of shape (..., {d}) alone")
+        raise NotLayerNorm(f"fails on a tensor of shape (..., {d}) alone: not a last-dimension norm "
+                           "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
         raise NotLayerNorm("returns non-finite values on ordinary inputs")
-    b = y[0]
+    b = (y[0] + y[1]) / 2   # the normalised part is odd in x: LN(x) + LN(-x) = 2b
     gain = ((y[1:4] - b) * z).sum(0) / z.pow(2).sum(0)   # least squares per feature, a(big) ~ 1
     if not gain.abs().max() > 0:
         raise NotLayerNorm("its output does not depend on its input")
@@ -129,12 +134,13 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     # snap to the module's own parameters where they are what was measured
     rel = 3e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4  # covers modules computing in fp32
     tol = rel * float(gain.abs().max() + b.abs().max())
-    own = [p.detach().double().cpu() for p in module.parameters(recurse=False) if p.shape == (d,)]
-    gain = next((v for p in own for v in (p, p + 1) if _close(gain, v, tol)), gain)  # v = p + 1: "1P" norms
-    if _close(gain, torch.ones_like(gain), tol):
+    own = {n: p.detach().double().cpu() for n, p in module.named_parameters(recurse=False) if p.shape == (d,)}
+    used, gain = next(((n, v) for n in _first(own, "weight") for v in (own[n], own[n] + 1) if _close(gain, v, tol)),
+                      (None, gain))   # own[n] + 1: "1P" norms
+    if used is None and _close(gain, torch.ones_like(gain), tol):
         gain = torch.ones_like(gain)   # a non-parametric LayerNorm
     has_bias = isinstance(getattr(module, "bias", None), torch.Tensor)
-    b = next((p for p in own if _close(b, p, tol)), b)
+    b = next((own[n] for n in _first(own, "bias") if n != used and _close(b, own[n], tol)), b)
     if not has_bias and _close(b, torch.zeros_like(b), tol):
         b = None
     # confirm on rows it has not seen: random means, scales from large down to ~sqrt(eps)

@@ -67,14 +67,17 @@ def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str |
     """(width to probe, None) for a possible LayerNorm; (None, reason) to skip it; (None, None): not one."""
     cls = type(module).__name__
     own = dict(module.named_parameters(recurse=False))
-    named = isinstance(module, nn.LayerNorm) or "layernorm" in cls.lower()
-    leaf = (next(module.children(), None) is None and ("weight" in own or "bias" in own)
-            and all(p.dim() == 1 for p in own.values()))
+    leaf = next(module.children(), None) is None
+    # a LayerNorm class has no submodules (Wav2Vec2LayerNormConvLayer is a block, not a norm)
+    named = isinstance(module, nn.LayerNorm) or leaf and "layernorm" in cls.lower()
+    leaf = leaf and ("weight" in own or "bias" in own) and all(p.dim() == 1 for p in own.values())
     vectors = list(own.values())
     if not (named or leaf):
         return None, None
     shape = getattr(module, "normalized_shape", None)
-    shape = (shape,) if isinstance(shape, int) else tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
     if shape is not None and len(shape) != 1:
         return None, f"normalises over {shape}, not just the last dimension"
     if any(p.dim() != 1 for p in vectors):
@@ -113,6 +116,9 @@ def find_norms(model: nn.Module, filter_fn: FilterFn | None = None):
             found = probe(module, width)
         except NotLayerNorm as e:
             skipped.append(Skipped(name, cls, str(e)))
+            continue
+        except Exception as e:  # e.g. weights that cannot be cast or copied: leave the module alone
+            skipped.append(Skipped(name, cls, f"could not be probed ({type(e).__name__})"))
             continue
         if filter_fn is not None and not filter_fn(module, name):
             skipped.append(Skipped(name, cls, "excluded by filter_fn"))
