@@ -117,4 +117,9 @@ def eval_cmd(src, data, reference, seq_len, stride, batch_size, as_json):
     texts = read_texts(data) if data else None
     model, ref, tok = _load_with(src, reference, "the reference")
     report = evaluate(model, tok, texts, reference=ref, seq_len=seq_len, stride=stride, batch_size=batch_size)
-    click.echo(json.dumps(report.to_dict()) if as_json else str(report))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), allow_nan=False))
+    if report.error():  # a NaN model must not pass a script's exit-code check
+        raise NormswapError(report.error())
+    if not as_json:
+        click.echo(str(report))

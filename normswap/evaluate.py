@@ -33,10 +33,19 @@ class EvalReport:
     cosine_min: float | None = None
     sentences: int | None = None
 
+    def error(self) -> str | None:
+        """Why the numbers are unusable (NaN/inf: a broken model), else None."""
+        bad = [k for k, v in asdict(self).items() if isinstance(v, float) and not math.isfinite(v)]
+        return f"non-finite {', '.join(bad)}: the model gives NaN/inf outputs" if bad else None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-safe: NaN/inf become null and an "error" field says why (json.dumps would write NaN)."""
+        d = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return {**d, "error": self.error()} if self.error() else d
 
     def __str__(self) -> str:
+        if self.error():
+            return f"error: {self.error()}"
         if self.kind == "encoder":
             return (f"embedding cosine to reference: mean {self.cosine:.6f}, min {self.cosine_min:.6f} "
                     f"over {self.sentences} sentences")
