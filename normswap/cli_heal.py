@@ -95,7 +95,8 @@ def heal(src, teacher_src, data, steps, out, overwrite, train, objective, seq_le
     click.echo(json.dumps(report.to_dict()) if as_json else str(report))
     if report.interrupted:
         where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
-        click.echo(f"interrupted after {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
+        when = "during the final save" if report.save_interrupted else "after"
+        click.echo(f"interrupted {when} {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
                    err=True)
         sys.exit(130)
 
