@@ -127,11 +127,26 @@ def _update(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
 
+# fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the
+# size of the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's
+# largest mmap threshold (32 MB), so each is returned to the OS when freed; measured, 32 MB slices were
+# kept on the heap and the process grew by ~250 MB anyway.
+_CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
+
+
+def _slices(w: torch.Tensor, dim: int):
+    """Views of w along `dim`, each of about _CHUNK elements (every slice keeps the other dim whole)."""
+    step = max(1, _CHUNK // max(1, w.shape[1 - dim]))
+    return w.split(step, dim)
+
+
 def _centre_writer(layer: nn.Module) -> None:
     """Make every output of `layer` zero-mean: Linear (out, in) along dim 0; Conv1D (in, out) and
     Embedding (rows) along dim 1."""
-    w = layer.weight.double()
-    _update(layer.weight, w - w.mean(0 if isinstance(layer, nn.Linear) else 1, keepdim=True))
+    dim = 0 if isinstance(layer, nn.Linear) else 1
+    for part in _slices(layer.weight, 1 - dim):   # whole along `dim`: each mean sees all its values
+        d = part.double()
+        _update(part, d - d.mean(dim, keepdim=True))
     if isinstance(layer, nn.Embedding):
         return
     if getattr(layer, "bias", None) is not None:
@@ -140,8 +155,11 @@ def _centre_writer(layer: nn.Module) -> None:
 
 def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     """bias += W b for a consumer of a norm whose bias is b; True if the bias had to be created."""
-    w = layer.weight.double()
-    shift = w @ b if isinstance(layer, nn.Linear) else b @ w
+    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
+        shift = torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
+    else:                              # Conv1D (in, out): b W summed over row blocks
+        n = max(1, _CHUNK // layer.weight.shape[1])
+        shift = sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
     bias, created = ensure_bias(layer)
     _update(bias, bias.double() + shift)
     return created
