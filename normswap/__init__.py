@@ -1,4 +1,9 @@
 """normswap: turn a trained model's LayerNorms into (fast) RMSNorm, verify it, ship it."""
+import sys
+
+if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("normswap"):  # the CLI is starting (python -m / script)
+    from normswap.errors import one_line_interrupts  # before torch loads: Ctrl-C then is one line too
+    one_line_interrupts()
 from normswap import io
 from normswap.errors import NormswapError
 from normswap.evaluate import EvalReport, evaluate

@@ -116,7 +116,8 @@ def heal(ctx, src, teacher_src, data, steps, out, overwrite, overwrite_any, trai
     click.echo(json.dumps(report.to_dict(losses=True)) if as_json else str(report))
     if report.interrupted:
         where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
-        click.echo(f"interrupted after {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
+        when = "during the final save" if report.save_interrupted else "after"
+        click.echo(f"interrupted {when} {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
                    err=True)
         sys.exit(130)
 
@@ -144,4 +145,9 @@ def eval_cmd(ctx, src, data, reference, seq_len, stride, batch_size, as_json, dt
     texts = read_texts(data) if data else None
     model, ref, tok = _load_with(src, reference, "the reference", dtype_name(dtype), device)
     report = evaluate(model, tok, texts, reference=ref, seq_len=seq_len, stride=stride, batch_size=batch_size)
-    click.echo(json.dumps(report.to_dict()) if as_json else str(report))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), allow_nan=False))
+    if report.error():  # a NaN model must not pass a script's exit-code check
+        raise NormswapError(report.error())
+    if not as_json:
+        click.echo(str(report))

@@ -36,10 +36,19 @@ class EvalReport:
     max_abs: float | None = None
     output: str | None = None              # parity: which output was compared
 
+    def error(self) -> str | None:
+        """Why the numbers are unusable (NaN/inf: a broken model), else None."""
+        bad = [k for k, v in asdict(self).items() if isinstance(v, float) and not math.isfinite(v)]
+        return f"non-finite {', '.join(bad)}: the model gives NaN/inf outputs" if bad else None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """JSON-safe: NaN/inf become null and an "error" field says why (json.dumps would write NaN)."""
+        d = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return {**d, "error": self.error()} if self.error() else d
 
     def __str__(self) -> str:
+        if self.error():
+            return f"error: {self.error()}"
         if self.kind == "parity":
             kl = f", KL {self.kl:.3e}" if self.kl is not None else ""
             return (f"parity to reference on sample inputs ({self.output}; no perplexity for this model): "

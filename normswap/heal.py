@@ -9,7 +9,9 @@ on the number of processes.
 Interruption (Ctrl-C, or KeyboardInterrupt from `callback`): training stops at a step boundary and the
 model of the completed steps is saved to `<out>.partial` (config.json `normswap_heal.interrupted`); `out`
 itself is never touched unless the run completes. An interrupt that lands inside an optimizer update
-(a second Ctrl-C) leaves the weights half-updated, so then nothing is saved.
+(a second Ctrl-C) leaves the weights half-updated, so then nothing is saved. A Ctrl-C during the final
+save to `out` abandons that save (`out` is replaced atomically, so it stays as it was) and writes
+`<out>.partial` instead, with Ctrl-C ignored until it is written.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class HealReport:
     loss_last: float | None    # mean loss of the last 10 steps
     seconds: float
     interrupted: bool = False
+    save_interrupted: bool = False   # Ctrl-C came during the final save: the work went to OUT.partial
     saved_to: str | None = None
     losses: list[float] = field(default_factory=list, repr=False)
 
@@ -253,9 +256,28 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
                         sum(losses[-10:]) / len(losses[-10:]) if losses else None,
                         time.perf_counter() - start, interrupted=len(losses) < int(steps), losses=losses)
     if out is not None and not stop["torn"] and losses:
-        info = {k: getattr(report, k) for k in ("steps", "steps_done", "train", "objective", "lr", "seq_len",
-                                                "batch_size", "seed", "interrupted")}
         if accelerator.is_main_process:
-            report.saved_to = _save(student, tokenizer, out, overwrite, info)
+            _save_keeping_work(student, tokenizer, out, overwrite, report, main_thread)
         accelerator.wait_for_everyone()
     return report
+
+
+def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealReport, main_thread: bool) -> None:
+    """Save to `out` (or `out`.partial if interrupted); a Ctrl-C during the final save must not lose the
+    finished steps, so it falls back to `out`.partial, written with further Ctrl-C held off (a torn
+    partial checkpoint would be worse than a few seconds' wait)."""
+    def info():
+        return {k: getattr(report, k) for k in ("steps", "steps_done", "train", "objective", "lr", "seq_len",
+                                                "batch_size", "seed", "interrupted")}
+    if not report.interrupted:
+        try:
+            report.saved_to = _save(student, tokenizer, out, overwrite, info())
+            return
+        except KeyboardInterrupt:  # the atomic save leaves `out` as it was; keep the work in .partial
+            report.interrupted, report.save_interrupted = True, True
+    held = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+    try:
+        report.saved_to = _save(student, tokenizer, out, overwrite, info())
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, held)

@@ -75,9 +75,17 @@ def _rows(dtype, scales, d=64, seed=0):
 SCALES = [1e-30, 1e-3, 1.0, 3e4, 1e19, 1e25, 1e30, 1e36]   # fp32 squares overflow above ~1.8e19
 
 
+@pytest.fixture(params=["cpu-eager", "always-scaled"])
+def torch_path(request, monkeypatch):
+    """The two PyTorch paths: CPU eager (scaled pass on overflow only) and CUDA/compiled (always scaled)."""
+    if request.param == "always-scaled":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("p", [None, 0.25])
-def test_torch_path_huge_and_tiny_rows_match_fp64(dtype, p):
+def test_torch_path_huge_and_tiny_rows_match_fp64(dtype, p, torch_path):
     x = _rows(dtype, SCALES)
     w = torch.rand(64, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
     y = reference.rms_norm_reference(x, w.to(dtype), EPS, p=p)
@@ -87,7 +95,7 @@ def test_torch_path_huge_and_tiny_rows_match_fp64(dtype, p):
     assert (y[1:].double().abs().amax(-1) > 0.1).all()   # no row collapsed to 0 (row 0 is below eps)
 
 
-def test_torch_path_gradient_at_huge_scale_matches_fp64():
+def test_torch_path_gradient_at_huge_scale_matches_fp64(torch_path):
     x = _rows(torch.float32, [1e25, 1.0, 1e30]).requires_grad_()
     x64 = x.detach().double().requires_grad_()
     dy = torch.randn(3, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -97,7 +105,7 @@ def test_torch_path_gradient_at_huge_scale_matches_fp64():
     assert (rel <= 1e-5).all(), rel
 
 
-def test_scaling_changes_no_bit_in_the_normal_range():
+def test_scaling_changes_no_bit_in_the_normal_range(torch_path):
     x = _rows(torch.float32, [1e-3, 1.0, 7.0, 3e4, 1e9] * 4)
     w = torch.rand(64) + 0.5
     hf = x.float()

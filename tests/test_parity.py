@@ -137,3 +137,27 @@ def test_cli_refuses_a_nan_source_that_stays_nan(tmp_path):
     assert "non-finite (NaN/inf) logits" in r.stderr and "(the original: " in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def _no_nan(name):
+    raise AssertionError(f"invalid JSON constant {name}")
+
+
+def test_cli_eval_json_of_a_nan_model_is_valid_json_and_fails(tmp_path):
+    from _heal_models import gpt2, text, tokenizer
+    tok = tokenizer()
+    model = gpt2(len(tok))
+    normswap.save_pretrained(model, tmp_path / "ok", tokenizer=tok)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    normswap.save_pretrained(model, tmp_path / "nan", tokenizer=tok)
+    (tmp_path / "d.txt").write_text(text(200, seed=3))
+    args = ["--data", str(tmp_path / "d.txt"), "--seq-len", "32", "--json"]
+    r = CliRunner().invoke(main, ["eval", str(tmp_path / "nan"), *args, "--reference", str(tmp_path / "ok")])
+    assert r.exit_code == 1
+    got = json.loads(r.stdout, parse_constant=_no_nan)   # strict JSON: NaN/Infinity are not JSON
+    assert got["perplexity"] is None and got["kl"] is None and "non-finite" in got["error"]
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error: ")
+    ok = CliRunner().invoke(main, ["eval", str(tmp_path / "ok"), *args])
+    assert ok.exit_code == 0 and "error" not in json.loads(ok.stdout)
+    assert json.loads(ok.stdout)["perplexity"] > 1

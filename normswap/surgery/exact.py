@@ -97,6 +97,19 @@ def _update(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
 
+# fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the
+# size of the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's
+# largest mmap threshold (32 MB), so each is returned to the OS when freed; measured, 32 MB slices were
+# kept on the heap and the process grew by ~250 MB anyway.
+_CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
+
+
+def _slices(w: torch.Tensor, dim: int):
+    """Views of w along `dim`, each of about _CHUNK elements (every slice keeps the other dim whole)."""
+    step = max(1, _CHUNK // max(1, w.shape[1 - dim]))
+    return w.split(step, dim)
+
+
 def _centre(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
     """t with zero mean over consecutive groups of `group` entries along `dim`, in float64."""
     x = t.double().movedim(dim, -1)
@@ -105,23 +118,32 @@ def _centre(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
     return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
 
 
+def _centre_in_place(t: torch.Tensor, dim: int, group: int) -> None:
+    """_centre, written back; a 2-D weight a slice at a time (each slice whole along `dim`)."""
+    for part in (_slices(t, 1 - dim) if t.dim() == 2 else [t]):
+        _update(part, _centre(part, dim, group))
+
+
 def _centre_step(model: nn.Module, target: str, group: int) -> None:
     """Make every output of a layer (or a parameter added to the stream) zero-mean per group."""
     if target.startswith("param:"):
         param = model.get_parameter(target[6:])
-        _update(param, _centre(param, -1, group))
+        _centre_in_place(param, param.dim() - 1, group)
         return
     layer = model.get_submodule(target)
     dim = 1 if isinstance(layer, nn.Embedding) or type(layer).__name__ == "Conv1D" else 0
-    _update(layer.weight, _centre(layer.weight, dim, group))
+    _centre_in_place(layer.weight, dim, group)
     if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
         _update(layer.bias, _centre(layer.bias, 0, group))
 
 
 def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
-    w = layer.weight.double()
-    shift = w @ b if isinstance(layer, nn.Linear) else b @ w
+    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
+        shift = torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
+    else:                              # Conv1D (in, out): b W summed over row blocks
+        n = max(1, _CHUNK // layer.weight.shape[1])
+        shift = sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
     bias, created = ensure_bias(layer)
     _update(bias, bias.double() + shift)
     return created
