@@ -23,9 +23,9 @@ from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer)
 
+from normswap import schema
 from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
 from normswap.demo import DEMO_DIR, DEMO_NAME
-from normswap import schema
 from normswap.hub import make_self_describing
 from normswap.errors import NormswapError
 from normswap.norms import build_norm
@@ -139,8 +139,7 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool | Non
     except Exception as e:  # transformers raises many types; users get one line
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if not trust and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
-            msg = ("it ships its own Python code (auto_map), which normswap does not run "
-                   f"without --trust-remote-code ({msg})")
+            msg = "it ships its own Python code (auto_map), which normswap runs only with --trust-remote-code"
         raise NormswapError(f"cannot load model from {src}: {msg}") from None
     return model.eval(), load_tokenizer(where, local, trust)
 
