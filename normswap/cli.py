@@ -14,6 +14,9 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
 
 
+_NoArgs = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
@@ -29,6 +32,9 @@ class _Group(click.Group):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
+        except _NoArgs as e:  # plain `normswap`: the help, as before
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
         except click.UsageError as e:  # click would print usage + a hint + the error: three lines
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
             click.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)

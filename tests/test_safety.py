@@ -268,6 +268,8 @@ def test_usage_error_is_one_line_exit_2(gpt2_dir, tmp_path):
     line = one_error_line(run("convert", gpt2_dir, "-o", tmp_path / "o"), code=2)
     assert "Missing option '--to'" in line and "convert --help')" in line
     assert "No such command" in one_error_line(run("convrt"), code=2)
+    bare = run()
+    assert bare.exit_code == 0 and "Commands:" in bare.stdout  # plain `normswap` still shows the help
     result = run("convert", "x", "--to", "layernorm", "-o", tmp_path / "o")
     assert result.stdout == "" and result.stderr.startswith("error: Invalid value for '--to'")
     assert one_error_line(result, code=2) and not (tmp_path / "o").exists()
