@@ -117,12 +117,10 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
 def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, finetune_steps, data,
             onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
-    from pathlib import Path
-
     import normswap
+    from normswap.atomic import check_output, check_replaceable
     from normswap.parity import compare
 
-    from normswap.atomic import check_output, check_replaceable
     overwrite = "any" if overwrite_any else overwrite
     inputs = [("SRC", src)] + [("--data", d) for d in data]
     check_output(out, inputs)
@@ -131,8 +129,8 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, f
         check_output(onnx_path, inputs + [("OUT", out)])
         if check_output(out) in check_output(onnx_path).parents:
             raise NormswapError(f"--onnx {onnx_path} is inside OUT {out}: saving OUT would delete it")
-    if onnx_path and Path(onnx_path).exists() and not overwrite:
-        raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
+        from normswap.export import check_replaceable as check_onnx
+        check_onnx(onnx_path, overwrite)
     from normswap.cli_heal import heal_after_convert, read_finetune_data
     texts = read_finetune_data(finetune_steps, data)
     model, tokenizer = normswap.io.load_model(src, dtype)

@@ -71,7 +71,8 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def heal(src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr, seed, as_json):
+def heal(src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr,
+         seed, as_json):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
