@@ -16,6 +16,9 @@ def _terminated(signum, frame):
     raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
 
 
+_NoArgs = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split())
 
@@ -31,6 +34,9 @@ class _Group(click.Group):
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
+        except _NoArgs as e:  # plain `normswap`: the help, as before
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
         except click.UsageError as e:  # click would print usage + a hint + the error: three lines
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
             click.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
@@ -113,12 +119,10 @@ OVERWRITE_ANY = click.option("--overwrite-any", is_flag=True,
 def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, device, finetune_steps, data,
             onnx_path=None):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
-    from pathlib import Path
-
     import normswap
+    from normswap.atomic import check_output, check_replaceable
     from normswap.parity import compare_to, reference_outputs
 
-    from normswap.atomic import check_output, check_replaceable
     overwrite = "any" if overwrite_any else overwrite
     inputs = [("SRC", src)] + [("--data", d) for d in data]
     check_output(out, inputs)
@@ -127,8 +131,8 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
         check_output(onnx_path, inputs + [("OUT", out)])
         if check_output(out) in check_output(onnx_path).parents:
             raise NormswapError(f"--onnx {onnx_path} is inside OUT {out}: saving OUT would delete it")
-    if onnx_path and Path(onnx_path).exists() and not overwrite:
-        raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
+        from normswap.export import check_replaceable as check_onnx
+        check_onnx(onnx_path, overwrite)
     from normswap.cli_heal import heal_after_convert, read_finetune_data
     _output(as_json)
     device = resolve_device(device)

@@ -67,10 +67,11 @@ def test_out_holding_src_is_refused(gpt2_dir, tmp_path):
     (anc / "keepme" / "notes.txt").write_text("mine")
     tiny_model("gpt2").save_pretrained(src)
     before = snapshot(anc)
-    for out in (anc, src, src / ".."):
+    (tmp_path / "link").symlink_to(src)
+    for out in (anc, src, src / "..", tmp_path / "link"):
         line = one_error_line(run("convert", src, "--to", "rmsnorm", "-o", out, "--overwrite-any"))
         assert "would replace SRC" in line
-    assert snapshot(anc) == before and sorted(p.name for p in tmp_path.iterdir()) == ["anc"]
+    assert snapshot(anc) == before and sorted(p.name for p in tmp_path.iterdir()) == ["anc", "link"]
 
 
 def test_heal_out_holding_teacher_or_data_is_refused(gpt2_dir, tmp_path):
@@ -133,9 +134,11 @@ def test_export_never_replaces_a_foreign_file(tmp_path, converted):
     src = tmp_path / "src"
     normswap.save_pretrained(converted, src)
     config = (src / "config.json").read_bytes()
-    line = one_error_line(run("export", src, "--onnx", src / "config.json", "--overwrite"))
-    assert "not an ONNX file normswap exported" in line
-    assert (src / "config.json").read_bytes() == config
+    for cmd in (["export", src], ["convert", src, "--to", "rmsnorm", "-o", tmp_path / "o"]):
+        line = one_error_line(run(*cmd, "--onnx", src / "config.json", "--overwrite"))
+        assert line == f"error: {src / 'config.json'} is not an ONNX file normswap exported: " \
+                       "pass --overwrite-any to replace it"
+    assert (src / "config.json").read_bytes() == config and not (tmp_path / "o").exists()
 
 
 # --- 13.6: the swap rolls back, killed runs are recovered, one writer at a time ---------------------
@@ -268,6 +271,8 @@ def test_usage_error_is_one_line_exit_2(gpt2_dir, tmp_path):
     line = one_error_line(run("convert", gpt2_dir, "-o", tmp_path / "o"), code=2)
     assert "Missing option '--to'" in line and "convert --help')" in line
     assert "No such command" in one_error_line(run("convrt"), code=2)
+    bare = run()
+    assert bare.exit_code == 0 and "Commands:" in bare.stdout  # plain `normswap` still shows the help
     result = run("convert", "x", "--to", "layernorm", "-o", tmp_path / "o")
     assert result.stdout == "" and result.stderr.startswith("error: Invalid value for '--to'")
     assert one_error_line(result, code=2) and not (tmp_path / "o").exists()

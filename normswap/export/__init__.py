@@ -62,12 +62,18 @@ def _exported_by_us(path: Path) -> bool:
     return any(p.key == "normswap.target" for p in props)
 
 
-def _staging_dir(path: Path, overwrite) -> Path:
+def check_replaceable(path: Path, overwrite) -> None:
+    """An existing FILE is replaced only with overwrite, and only if normswap exported it (or "any")."""
+    path = Path(path).expanduser()
     if path.exists() and (path.is_dir() or not overwrite):
         raise NormswapError(f"{path} exists" + (" and is a folder" if path.is_dir() else
                                                   ": pass --overwrite to replace it"))
     if path.exists() and overwrite != "any" and not _exported_by_us(path):  # never another tool's file
         raise NormswapError(f"{path} is not an ONNX file normswap exported: pass --overwrite-any to replace it")
+
+
+def _staging_dir(path: Path, overwrite) -> Path:
+    check_replaceable(path, overwrite)
     if path.parent.exists() and not path.parent.is_dir():
         raise NormswapError(f"cannot write to {path.parent}: not a folder")
     try:
