@@ -70,7 +70,7 @@ def run_without_normswap(tmp_path, jobs: dict) -> dict:
 
 def test_loads_without_normswap_exactly(tmp_path):
     demo, tok = normswap.load_model("normswap-demo")
-    jobs, expected = {}, {}
+    jobs = {}
     for method, to in (("exact", "rmsnorm"), ("naive", "rmsnorm"), ("naive", "prmsnorm")):
         model = copy.deepcopy(demo)
         normswap.convert(model, to=to, method=method, p=0.25 if to == "prmsnorm" else None)
