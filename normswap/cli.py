@@ -67,7 +67,10 @@ DTYPE = click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
 @click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
-def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, data, onnx_path=None):
+@click.option("--max-shard-size", default="50GB", show_default=True,
+              help="Split the weights into shards of at most this size (e.g. 5GB) with an index.")
+def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, data, onnx_path=None,
+            max_shard_size="50GB"):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     from pathlib import Path
 
@@ -76,6 +79,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
 
     if Path(out).exists() and not overwrite:
         raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+    normswap.shards.parse_size(max_shard_size)  # a bad size fails before any work
     if onnx_path and Path(onnx_path).exists() and not overwrite:
         raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
     from normswap.cli_heal import heal_after_convert, read_finetune_data
@@ -91,7 +95,7 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
     parity = compare(original, model)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
-    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite, max_shard_size=max_shard_size)
     if as_json:
         click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out),
                                 **({"heal": healed.to_dict()} if healed else {}),

@@ -14,13 +14,13 @@ import socket
 import tempfile
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from normswap.demo import DEMO_DIR, DEMO_NAME
+from normswap import shards
 from normswap.errors import NormswapError
 from normswap.norms import build_norm
 from normswap.surgery.centring import apply_output_fixes
@@ -141,8 +141,10 @@ def atomic_dir(out: str | Path, overwrite: bool = False):
         raise
 
 
-def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer)."""
+def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
+                    max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
+    max_shard_size (e.g. "5GB"), + tokenizer."""
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
@@ -152,8 +154,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
-        # save_model drops the duplicate names of tied tensors and load_model restores them.
-        safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+        shards.save_model(model, tmp, max_shard_size)  # tied tensors saved once, restored by loading
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return Path(out)
@@ -169,7 +170,7 @@ def apply_structure(model: nn.Module, section: dict) -> None:
 
 
 def from_pretrained(path: str | Path, dtype: str | None = None) -> nn.Module:
-    """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only)."""
+    """Rebuild a model saved by `save_pretrained` and load its weights (safetensors, sharded or not)."""
     path = Path(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     section = getattr(config, "normswap", None)
@@ -182,13 +183,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None) -> nn.Module:
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
     model = cls(config).to(DTYPES[dtype] if dtype else stored)
     apply_structure(model, section)
-    weights = path / WEIGHTS
-    if not weights.exists():
-        raise NormswapError(f"{path} has no {WEIGHTS}")
-    missing, unexpected = safetensors.torch.load_model(model, str(weights), strict=False)
-    if missing or unexpected:
-        raise NormswapError(f"{weights} does not match the model: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
+    shards.load_model(model, path)  # model.safetensors or sharded with an index
     return model.eval()
 
 
