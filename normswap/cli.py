@@ -84,18 +84,26 @@ def convert(src, to, p, method, out, overwrite, as_json, dtype, finetune_steps, 
         raise NormswapError(f"{onnx_path} exists: pass --overwrite to replace it")
     from normswap.cli_heal import heal_after_convert, read_finetune_data
     texts = read_finetune_data(finetune_steps, data)
-    model, tokenizer = normswap.io.load_model(src, dtype)
-    original = copy.deepcopy(model)
-    report = normswap.convert(model, to=to, method=method, p=p)
+    from normswap import stream
+    healed = exported = None
+    if not texts and not onnx_path and stream.streamable(src):  # a checkpoint folder: bounded memory
+        report, parity = stream.convert_folder(src, out, to, method, p, dtype, overwrite, max_shard_size,
+                                               progress=not as_json)
+    else:
+        model, tokenizer = normswap.io.load_model(src, dtype)
+        original, parity = copy.deepcopy(model), None
+        report = normswap.convert(model, to=to, method=method, p=p)
     if not report.converted:
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
         return
-    healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
-    parity = compare(original, model)
-    # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
-    exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
-    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite, max_shard_size=max_shard_size)
+    if parity is None:
+        healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
+        parity = compare(original, model)
+        # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
+        exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
+        normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite,
+                                 max_shard_size=max_shard_size)
     if as_json:
         click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out),
                                 **({"heal": healed.to_dict()} if healed else {}),

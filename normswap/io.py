@@ -142,9 +142,10 @@ def atomic_dir(out: str | Path, overwrite: bool = False):
 
 
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
-                    max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE) -> Path:
+                    max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE, check=None) -> Path:
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
-    max_shard_size (e.g. "5GB"), + tokenizer."""
+    max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
+    it replaces `out`; raising aborts the save."""
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
@@ -157,6 +158,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         shards.save_model(model, tmp, max_shard_size)  # tied tensors saved once, restored by loading
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if check is not None:
+            check(tmp)
     return Path(out)
 
 

@@ -10,6 +10,7 @@ one tensor, not one shard. Files are `model.safetensors`, or `model-0000i-of-000
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from pathlib import Path
@@ -101,6 +102,8 @@ def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     with open(file, "rb") as f:
         try:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError("header larger than the file")
             header = json.loads(f.read(n))
         except (struct.error, ValueError):
             raise NormswapError(f"{file} is not a safetensors file") from None
@@ -188,6 +191,9 @@ def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
 def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size."""
     specs = saved_specs(model)
+    produce = getattr(model, "_normswap_tensors", None)  # set by `stream`: tensors computed as written
+    if produce is not None:
+        return write(out, specs, produce(specs), max_shard_size)
     state = model.state_dict()
     return write(out, specs, (state[k] for k, _, _ in specs), max_shard_size)
 
