@@ -45,6 +45,23 @@ def _progress(total: int, desc: str, enabled: bool):
                 disable=not enabled or not sys.stderr.isatty())
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the system. glibc keeps freed blocks of a few MB (the edits'
+    float64 temporaries) and RSS crept up by ~0.5x the checkpoint on a 58 MB model without this."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
 class Lazy:
     """Reads a module's own tensors from a checkpoint on demand and puts them back on meta."""
 
@@ -87,6 +104,8 @@ class Lazy:
             if t is not None and t.dim() >= min_dim and not t.is_meta:
                 module._parameters[n] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
                                                      requires_grad=False)
+        _trim()
+
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Hooks that load each module's tensors before its forward and drop them after it."""
