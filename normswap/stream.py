@@ -295,7 +295,6 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     from normswap.io import DTYPES, load_tokenizer
     from normswap.surgery.exact import TOLERANCE
     from normswap.surgery.exact import plan as exact_plan
-    from normswap.surgery.walk import find_norms
     src = Path(src).expanduser()
     target = DTYPES[dtype] if dtype else None
     try:
@@ -306,8 +305,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(src)
     first = shards.aliases(model)  # before any tensor is replaced: ties are still objects
-    tied = {n.rpartition(".")[0] for n, f in first.items() if n != f} | {
-        f.rpartition(".")[0] for n, f in first.items() if n != f}
+    tied = {x.rpartition(".")[0] for n, f in first.items() if n != f for x in (n, f)}  # modules sharing a tensor
     lazy = Lazy(model, shards.Reader(src))
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1)
