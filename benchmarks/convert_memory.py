@@ -35,7 +35,8 @@ def build(size: str, path: Path) -> int:
     from accelerate import init_empty_weights
 
     from normswap import shards
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, **SIZES[size])
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, architectures=["GPT2LMHeadModel"],
+                                     **SIZES[size])
     with init_empty_weights():
         model = transformers.GPT2LMHeadModel(config)
     model.tie_weights()

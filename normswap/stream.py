@@ -241,7 +241,10 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
             if owner in edits and edits[owner] is not None:
                 lazy.load(model, owner)
                 for op, b in edits[owner]:
-                    _centre_writer(module) if op == "centre" else _fold(module, b)
+                    if op == "fold":
+                        _fold(module, b)
+                    else:
+                        (_centre_rows if isinstance(module, nn.Embedding) else _centre_writer)(module)
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:
@@ -256,6 +259,22 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                 left[owner] -= 1
                 if not left[owner]:
                     lazy.free(module, min_dim=2)
+
+
+CHUNK_BYTES = 1 << 26  # float64 working set of one step of an embedding's centring
+
+
+def _centre_rows(module: nn.Embedding) -> None:
+    """`exact._centre_writer` on an embedding, a block of rows at a time (each row is centred on its own):
+    the float64 temporaries of a whole vocabulary were 6x the largest tensor of a GPT-2 checkpoint."""
+    from normswap.surgery.exact import _centre_writer
+    w = module.weight
+    rows = max(1, CHUNK_BYTES // (8 * w.shape[1]))
+    for i in range(0, w.shape[0], rows):
+        part = nn.Embedding.__new__(nn.Embedding)
+        nn.Module.__init__(part)
+        part.weight = nn.Parameter(w[i:i + rows], requires_grad=False)  # a view: edits land in `w`
+        _centre_writer(part)
 
 
 def _sample_inputs(model: nn.Module) -> list[dict]:

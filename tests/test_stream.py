@@ -38,7 +38,8 @@ def _same_tensors(a: Path, b: Path) -> None:
                                               ("bloom", torch.float16, "exact"),
                                               ("gpt_neox-parallel", torch.float32, "exact"),
                                               ("gpt2", torch.bfloat16, "naive")])
-def test_streamed_equals_in_memory_bit_for_bit(tmp_path, fam, dtype, method):
+def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype, method):
+    monkeypatch.setattr(stream, "CHUNK_BYTES", 1000)  # untied embeddings are centred a few rows at a time
     _save_family(fam, tmp_path / "src", dtype)
     assert (tmp_path / "src" / shards.INDEX).exists()
     model, _ = normswap.load_model(str(tmp_path / "src"))
