@@ -116,8 +116,10 @@ OVERWRITE_ANY = click.option("--overwrite-any", is_flag=True,
               help="Then heal: N distillation steps from the original on --data.")
 @click.option("--data", multiple=True, type=click.Path(), help="Text file(s) for --finetune-steps.")
 @click.option("--onnx", "onnx_path", type=click.Path(), help="Then export to this ONNX file (target ort).")
+@click.option("--max-shard-size", default="50GB", show_default=True,
+              help="Split the weights into shards of at most this size (e.g. 5GB) with an index.")
 def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, device, finetune_steps, data,
-            onnx_path=None):
+            onnx_path=None, max_shard_size="50GB"):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     import normswap
     from normswap.atomic import check_output, check_replaceable
@@ -133,31 +135,42 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
             raise NormswapError(f"--onnx {onnx_path} is inside OUT {out}: saving OUT would delete it")
         from normswap.export import check_replaceable as check_onnx
         check_onnx(onnx_path, overwrite)
+    normswap.shards.parse_size(max_shard_size)  # a bad size fails before any work
     from normswap.cli_heal import heal_after_convert, read_finetune_data
     _output(as_json)
     device = resolve_device(device)
     texts = read_finetune_data(finetune_steps, data)
-    model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
-    model.to(device)
-    reference = reference_outputs(model)   # outputs before editing, not a copy of the model
-    # Healing distils from the unconverted model while training the converted one: both must exist at
-    # once, so this is the one copy, made only with --finetune-steps.
-    original = copy.deepcopy(model) if texts else None
-    report = normswap.convert(model, to=to, method=method, p=p)
+    from normswap import stream
+    healed = exported = None
+    if not texts and not onnx_path and device.type == "cpu" and stream.streamable(src):
+        # a checkpoint folder: converted tensor by tensor, in bounded memory, verified before OUT appears
+        report, parity = stream.convert_folder(src, out, to, method, p, dtype_name(dtype), overwrite,
+                                               max_shard_size, progress=not as_json)
+    else:
+        model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
+        model.to(device)
+        reference = reference_outputs(model)   # outputs before editing, not a copy of the model
+        # Healing distils from the unconverted model while training the converted one: both must exist
+        # at once, so this is the one copy, made only with --finetune-steps.
+        original = copy.deepcopy(model) if texts else None
+        report, parity = normswap.convert(model, to=to, method=method, p=p), None
     if not report.converted:
         msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if as_json else msg)
         return
     for w in report.warnings:  # on stderr, whatever the output format
         warn(w)
-    healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
-    parity = compare_to(reference, model)
-    if parity.nonfinite:  # never save a model that gives NaN/inf
-        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) {parity.output} "
-                            f"values on sample inputs (the original: {parity.ref_nonfinite}); nothing was saved")
-    # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
-    exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
-    normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite)
+    if parity is None:
+        healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
+        parity = compare_to(reference, model)
+        if parity.nonfinite:  # never save a model that gives NaN/inf
+            raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
+                                f"{parity.output} values on sample inputs (the original: {parity.ref_nonfinite}); "
+                                "nothing was saved")
+        # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
+        exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
+        normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite,
+                                 max_shard_size=max_shard_size)
     if as_json:
         click.echo(json.dumps({"report": report.to_dict(), "parity": parity.to_dict(), "output": str(out),
                                 **({"heal": healed.to_dict()} if healed else {}),

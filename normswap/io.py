@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import transformers
 from torch import nn
@@ -26,6 +25,7 @@ from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModel
 from normswap import schema
 from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
 from normswap.demo import DEMO_DIR, DEMO_NAME
+from normswap import shards
 from normswap.hub import make_self_describing
 from normswap.errors import NormswapError
 from normswap.norms import build_norm
@@ -181,8 +181,11 @@ def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = Fal
     return tokenizer if len(tokenizer) > 0 else None
 
 
-def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """Save a (converted) HF model to `out` as config.json + model.safetensors (+ tokenizer).
+def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool = False,
+                    max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE, check=None) -> Path:
+    """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
+    max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
+    it replaces `out`; raising aborts the save.
 
     overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
     """
@@ -192,12 +195,11 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     section = getattr(model.config, "normswap", None)
     with atomic_dir(out, overwrite) as tmp:
-        # save_model drops the duplicate names of tied tensors and load_model restores them.
-        safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+        shards.save_model(model, tmp, max_shard_size)  # tied tensors saved once, restored by loading
         if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
             section.update(format=schema.FORMAT, base={"architecture": type(model).__name__,
                                                        "model_type": model.config.model_type})
-            section["checksum"] = schema.checksum(section, tmp / WEIGHTS)
+            section["checksum"] = schema.checksum(section, tmp)
         model.config.save_pretrained(tmp)
         make_self_describing(tmp, model)  # modeling file + auto_map: loads in transformers without normswap
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
@@ -205,6 +207,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
                 model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if check is not None:
+            check(tmp)
     return Path(out)
 
 
@@ -231,18 +235,23 @@ def _base_config(raw: dict, section: dict, where: str):
     return config, cls
 
 
-def _load_weights(model: nn.Module, weights: Path, allow: bool) -> None:
-    """Load a safetensors file into `model`, naming every missing, unexpected or wrong-shaped tensor."""
-    state = model.state_dict()
-    stored = safetensors.torch.load_file(str(weights))
-    mismatched = [(k, v.shape, state[k].shape) for k, v in stored.items() if k in state and v.shape != state[k].shape]
-    for k, _, _ in mismatched:
-        del stored[k]
-    missing, unexpected = model.load_state_dict(stored, strict=False)
-    # A tied tensor is stored once (save_model); its other names were filled through the tie.
-    loaded = {state[k].data_ptr() for k in stored if k in state}
-    missing = [k for k in missing if state[k].data_ptr() not in loaded]
-    _check_weights(str(weights), missing, unexpected, mismatched, allow)
+def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
+    """Fill `model` from a checkpoint folder (one file or shards), a tensor at a time, naming every missing,
+    unexpected or wrong-shaped tensor (tied tensors are stored once, under their first name)."""
+    reader = shards.Reader(path)
+    alias = shards.aliases(model)
+    state = model.state_dict(keep_vars=True)
+    stored = set(reader.keys())
+    missing = sorted(k for k in state if alias.get(k, k) == k and k not in stored)
+    unexpected = sorted(stored - set(state))
+    mismatched = [(k, reader.meta(k)[1], list(state[k].shape)) for k in sorted(stored & set(state))
+                  if list(reader.meta(k)[1]) != list(state[k].shape)]
+    _check_weights(str(path), missing, unexpected, mismatched, allow)
+    bad = {k for k, _, _ in mismatched}
+    with torch.no_grad():
+        for key in reader.keys():
+            if key in state and key not in bad:
+                state[key].copy_(reader.get(key))
 
 
 def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool | None = None) -> nn.Module:
@@ -258,10 +267,9 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     if not section:
         raise NormswapError(f"{path} was not saved by normswap (no 'normswap' section in config.json)")
     schema.validate(section, str(path))
-    weights = path / WEIGHTS
-    if not weights.is_file():
-        raise NormswapError(f"{path} has no {WEIGHTS}")
-    schema.verify_checksum(section, weights, str(path), header=False)  # the weights: checked by name below
+    if not shards.has_weights(path):
+        raise NormswapError(f"{path} has no {WEIGHTS} nor {shards.INDEX}")
+    schema.verify_checksum(section, path, str(path), header=False)  # the weights: checked by name below
     try:
         config, cls = _base_config(raw, section, str(path))
     except NormswapError:
@@ -272,8 +280,8 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     model = cls(config).to(DTYPES[dtype] if dtype else stored)
     schema.validate(section, str(path), model)
     apply_structure(model, section)
-    _load_weights(model, weights, allow)
-    schema.verify_checksum(section, weights, str(path), header=not allow)
+    _load_weights(model, path, allow)
+    schema.verify_checksum(section, path, str(path), header=not allow)
     return model.eval()
 
 

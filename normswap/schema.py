@@ -113,19 +113,36 @@ def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def checksum(section: dict, weights: Path) -> dict:
-    """Hashes of the section (without its checksum) and of the weights file's header (names, shapes, offsets)."""
+def _weights_headers(folder: Path) -> bytes:
+    """The headers of a checkpoint's safetensors files (one file, or every shard of its index, by name)."""
+    from normswap.shards import INDEX, WEIGHTS
+    folder = Path(folder)
+    if (folder / INDEX).exists():
+        try:
+            files = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise NormswapError(f"{folder / INDEX} is not a safetensors index (no weight_map)") from None
+    else:
+        files = [WEIGHTS]
+    # A single file hashes as its header alone (format-2 folders written before sharding stay valid).
+    if files == [WEIGHTS]:
+        return _safetensors_header(folder / WEIGHTS)
+    return b"".join(name.encode() + b"\0" + _safetensors_header(folder / name) for name in files)
+
+
+def checksum(section: dict, folder: Path) -> dict:
+    """Hashes of the section (without its checksum) and of the weights' headers (names, shapes, offsets)."""
     body = {k: v for k, v in section.items() if k != "checksum"}
     return {"section": _sha(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()),
-            "weights_header": _sha(_safetensors_header(weights))}
+            "weights_header": _sha(_weights_headers(folder))}
 
 
-def verify_checksum(section: dict, weights: Path, where: str, header: bool = True) -> None:
-    """Refuse a section edited after save; with `header`, also a weights file other than the one saved."""
-    expected, actual = section["checksum"], checksum(section, weights)
+def verify_checksum(section: dict, folder: Path, where: str, header: bool = True) -> None:
+    """Refuse a section edited after save; with `header`, also weights other than the ones saved."""
+    expected, actual = section["checksum"], checksum(section, folder)
     if expected["section"] != actual["section"]:
         raise NormswapError(f"{where}: the 'normswap' section of config.json was edited after normswap saved it "
                             "(checksum mismatch): refusing a model that may be wrong; convert the original again")
     if header and expected["weights_header"] != actual["weights_header"]:
-        raise NormswapError(f"{where}: {weights.name} is not the file normswap saved with this config (its "
+        raise NormswapError(f"{where}: the weights are not the ones normswap saved with this config (their "
                             "tensor names, shapes or sizes differ: checksum mismatch)")

@@ -86,7 +86,7 @@ def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):
 
     def broken(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(safetensors.torch, "save_model", broken)
+    monkeypatch.setattr(normswap.shards, "save_model", broken)
     with pytest.raises(OSError, match="disk full"):
         normswap.save_pretrained(model, out, overwrite="any")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

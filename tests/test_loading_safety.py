@@ -38,7 +38,7 @@ def edit_config(folder: Path, fn, rehash: bool = False) -> None:
     config = json.loads((folder / "config.json").read_text())
     fn(config)
     if rehash:  # a consistent but wrong section: what only validation can catch
-        config["normswap"]["checksum"] = schema.checksum(config["normswap"], folder / WEIGHTS)
+        config["normswap"]["checksum"] = schema.checksum(config["normswap"], folder)
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -202,9 +202,9 @@ def test_checksum_covers_section_and_weights_header(converted):
     section = json.loads((folder / "config.json").read_text())["normswap"]
     assert section["format"] == schema.FORMAT and section["base"] == {"architecture": "GPT2LMHeadModel",
                                                                       "model_type": "gpt2"}
-    assert section["checksum"] == schema.checksum(section, folder / WEIGHTS)
+    assert section["checksum"] == schema.checksum(section, folder)
     other = dict(section, added_biases=["transformer.wte"])
-    assert schema.checksum(other, folder / WEIGHTS)["section"] != section["checksum"]["section"]
+    assert schema.checksum(other, folder)["section"] != section["checksum"]["section"]
     inputs = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(normswap.from_pretrained(folder)(inputs).logits, model(inputs).logits)
 

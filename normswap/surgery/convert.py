@@ -62,7 +62,7 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
             raise NormswapError(str(e)) from None
     elif p is not None:
         raise NormswapError("p applies only to --to prmsnorm")
-    method_fn = get_method(method)
+    method_fn = method if callable(method) else get_method(method)  # a callable: normswap.stream's
     sites, skipped, rms = find_norms(model, filter_fn)
     report = ConversionReport(to=to, method=method, p=p, already_rms=rms,
                               skipped=[vars(s) for s in skipped])

@@ -1,0 +1,223 @@
+"""Safetensors checkpoints in the Hugging Face layout, one file or sharded with an index, read and written
+a tensor at a time.
+
+Reading uses plain positioned reads (no mmap), so a tensor read is a copy and nothing else of the file
+stays resident. Writing plans the shards from tensor sizes first (names and shapes are known before any
+value is), writes each file's header, then appends each tensor's bytes as it is produced: peak memory is
+one tensor, not one shard. Files are `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` (`metadata.total_size`, `weight_map`), as transformers writes them.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_CODES = {v: k for k, v in _DTYPES.items()}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in "5GB", "500MB", "2GiB" or an int (transformers' units: GB = 10^9)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise NormswapError(f"bad shard size '{size}': use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def has_weights(path: str | Path) -> bool:
+    return (Path(path) / WEIGHTS).exists() or (Path(path) / INDEX).exists()
+
+
+class Reader:
+    """Tensors of a checkpoint folder (`model.safetensors` or an index), read one at a time."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        if (path / INDEX).exists():
+            try:
+                weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise NormswapError(f"{path / INDEX} is not a safetensors index (no weight_map)") from None
+            files = sorted(set(weight_map.values()))
+        elif (path / WEIGHTS).exists():
+            files = [WEIGHTS]
+        else:
+            raise NormswapError(f"{path} has no {WEIGHTS} nor {INDEX}")
+        self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
+        for name in files:
+            file = path / name
+            if not file.exists():
+                raise NormswapError(f"{path}: shard {name} listed in {INDEX} is missing")
+            for key, (dtype, shape, start, end) in _header(file).items():
+                self.entries[key] = (file, dtype, shape, start, end)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def meta(self, key: str) -> tuple[torch.dtype, list[int]]:
+        return self.entries[key][1], self.entries[key][2]
+
+    def get(self, key: str) -> torch.Tensor:
+        file, dtype, shape, start, end = self.entries[key]
+        # An anonymous mmap, not the heap: freeing the tensor returns the memory to the system at once
+        # (glibc keeps freed heap blocks of a few MB, which made RSS drift up to the model's size).
+        buf = mmap.mmap(-1, end - start) if end > start else bytearray()
+        with open(file, "rb") as f:
+            f.seek(start)
+            if f.readinto(buf) != len(buf):
+                raise NormswapError(f"{file} is truncated (tensor {key})")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def total_size(self) -> int:
+        return sum(e[4] - e[3] for e in self.entries.values())
+
+
+def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header."""
+    with open(file, "rb") as f:
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.fstat(f.fileno()).st_size - 8:
+                raise ValueError("header larger than the file")
+            header = json.loads(f.read(n))
+        except (struct.error, ValueError):
+            raise NormswapError(f"{file} is not a safetensors file") from None
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise NormswapError(f"{file}: unsupported dtype {info['dtype']} for {key}")
+        start, end = info["data_offsets"]
+        out[key] = (_DTYPES[info["dtype"]], info["shape"], 8 + n + start, 8 + n + end)
+    return out
+
+
+def plan_shards(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size: int | str) -> list[list[int]]:
+    """Split tensors (in order) into shards of at most max_shard_size bytes (a bigger tensor: alone)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, dtype, shape) in enumerate(specs):
+        n = nbytes(shape, dtype)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return shards
+
+
+def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tensors: Iterable[torch.Tensor],
+          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """Write tensors (yielded in the order of `specs`: name, dtype, shape) to `out`; the file names.
+
+    Each tensor is written as soon as it is yielded and can be freed afterwards.
+    """
+    out = Path(out)
+    shards = plan_shards(specs, max_shard_size)
+    names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                 for i in range(len(shards))]
+    stream: Iterator[torch.Tensor] = iter(tensors)
+    weight_map = {}
+    for fname, idx in zip(names, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for i in idx:
+            key, dtype, shape = specs[i]
+            n = nbytes(shape, dtype)
+            header[key] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[key] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        with open(out / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for i in idx:
+                key, dtype, shape = specs[i]
+                t = next(stream)
+                if t.dtype != dtype or list(t.shape) != list(shape):
+                    raise NormswapError(f"internal: {key} is {t.dtype} {list(t.shape)}, "
+                                        f"planned {dtype} {list(shape)}")
+                if t.numel():  # the tensor's own bytes, no copy
+                    f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+    if len(names) > 1:
+        total = sum(nbytes(s, d) for _, d, s in specs)
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                            indent=2) + "\n")
+    return names
+
+
+def aliases(model: nn.Module) -> dict[str, str]:
+    """state_dict name -> the name it is saved under: tied tensors are saved once, under their first name."""
+    first: dict[int, str] = {}
+    out = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        out[name] = first.setdefault(id(t), name)
+    return out
+
+
+def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of what `save_model` writes, in state_dict order (works on meta models)."""
+    alias = aliases(model)
+    return [(k, v.dtype, list(v.shape)) for k, v in model.state_dict().items() if alias.get(k, k) == k]
+
+
+def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size."""
+    specs = saved_specs(model)
+    produce = getattr(model, "_normswap_tensors", None)  # set by `stream`: tensors computed as written
+    if produce is not None:
+        return write(out, specs, produce(specs), max_shard_size)
+    state = model.state_dict()
+    return write(out, specs, (state[k] for k, _, _ in specs), max_shard_size)
+
+
+def load_model(model: nn.Module, path: str | Path) -> None:
+    """Fill `model`'s parameters and buffers from a checkpoint folder, tensor by tensor; strict."""
+    reader = Reader(path)
+    alias = aliases(model)
+    state = model.state_dict(keep_vars=True)
+    expected = {k for k in state if alias.get(k, k) == k}
+    missing = sorted(expected - set(reader.keys()))
+    unexpected = sorted(set(reader.keys()) - set(state))
+    if missing or unexpected:
+        raise NormswapError(f"{path}: weights do not match the model: missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for key in reader.keys():
+            target = state[key]
+            value = reader.get(key)
+            if list(value.shape) != list(target.shape):
+                raise NormswapError(f"{path}: {key} has shape {list(value.shape)}, the model "
+                                    f"expects {list(target.shape)}")
+            target.copy_(value)
+

@@ -1,0 +1,367 @@
+"""Convert a safetensors checkpoint folder without loading the model: bounded memory, bit-identical result.
+
+1. The model is built on the meta device (buffers real); only 1-D tensors (norm gains/biases, layer
+   biases: O(layers x width)) are read, so `find_norms`, the exact plan and `convert` itself run as in
+   memory: the norms are swapped, biases created, output fixes and config.normswap recorded, and the
+   method returns which layer gets which edit instead of doing it (`_StreamExact`).
+2. The output is written tensor by tensor in state_dict order (`shards.write`): an edited layer's
+   weights are read, edited by the in-memory code (`exact._centre_writer`, `exact._fold`), written and
+   put back on meta; other tensors are copied through. Peak: a few of the largest tensors.
+3. Verification runs the original folder and the written one on the sample inputs through lazy models:
+   each module's tensors are read just before its forward and dropped after it (`Lazy`).
+
+The plan is asked for with `plan_fn(model, sites)` on the meta model whose 1-D tensors are real; a plan
+that needs a forward pass would have to run it on a random-weight instance of the same config.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normswap import shards
+from normswap.errors import NormswapError
+from normswap.parity import compare, sample_inputs
+from normswap.surgery.methods import MethodResult, get_method
+
+ZERO_OK = "normswap_zero_ok"  # module attribute: params missing from the checkpoint start as zeros
+
+
+def streamable(src: str) -> bool:
+    """True for a local folder of plain (not yet converted) safetensors weights."""
+    path = Path(src).expanduser()
+    if not (path.is_dir() and (path / "config.json").exists() and shards.has_weights(path)):
+        return False
+    from normswap.io import read_config
+    return not read_config(path).get("normswap")
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False,
+                disable=not enabled or not sys.stderr.isatty())
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system. glibc keeps freed blocks of a few MB (the edits'
+    float64 temporaries) and RSS crept up by ~0.5x the checkpoint on a 58 MB model without this."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM = None
+
+
+class Lazy:
+    """Reads a module's own tensors from a checkpoint on demand and puts them back on meta."""
+
+    def __init__(self, model: nn.Module, reader: shards.Reader, bar=None):
+        self.reader, self.bar = reader, bar
+        self.groups: dict[str, list[str]] = {}   # state name -> all names of that (tied) tensor
+        for name, first in shards.aliases(model).items():
+            self.groups.setdefault(first, []).append(name)
+            self.groups[name] = self.groups[first]
+        self.names = _checkpoint_names(model, reader.keys())
+
+    def key(self, name: str) -> str | None:
+        return next((self.names[n] for n in self.groups.get(name, [name]) if n in self.names), None)
+
+    def load(self, model: nn.Module, module_name: str, min_dim: int = 0, max_dim: int = 99) -> None:
+        """Make `module_name`'s own params (and persistent buffers) of min_dim..max_dim dims real."""
+        module = model.get_submodule(module_name)
+        prefix = module_name + "." if module_name else ""
+        for store in (module._parameters, module._buffers):
+            for n, t in list(store.items()):
+                if t is None or not min_dim <= t.dim() <= max_dim or (store is module._buffers and not t.is_meta
+                                                       and n in module._non_persistent_buffers_set):
+                    continue
+                key = self.key(prefix + n)
+                if key is None:
+                    if not t.is_meta:
+                        continue  # a buffer the model initialises itself
+                    if n not in getattr(module, ZERO_OK, ()):
+                        raise NormswapError(f"{prefix + n} is not in the checkpoint")
+                    value = torch.zeros(t.shape, dtype=t.dtype)
+                else:
+                    value = self.reader.get(key).to(t.dtype)
+                    if self.bar is not None:
+                        self.bar.update(value.numel() * value.element_size())
+                store[n] = nn.Parameter(value, requires_grad=False) if store is module._parameters else value
+
+    @staticmethod
+    def free(module: nn.Module, min_dim: int = 0) -> None:
+        for n, t in list(module._parameters.items()):
+            if t is not None and t.dim() >= min_dim and not t.is_meta:
+                module._parameters[n] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
+                                                     requires_grad=False)
+        _trim()
+
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Hooks that load each module's tensors before its forward and drop them after it."""
+        for name, module in model.named_modules():
+            if module._parameters:
+                module.register_forward_pre_hook(lambda m, a, n=name: self.load(model, n))
+                module.register_forward_hook(lambda m, a, o: self.free(m))
+        return model
+
+
+def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
+    """Model state name -> checkpoint key, renamed as transformers renames when loading (base-model prefix,
+    legacy names such as GPT-NeoX's embed_out); tensors it would convert (merge, split) are refused."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    out = {}
+    for key in keys:
+        new, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if converted is not None:
+            raise NormswapError(f"cannot stream {key}: transformers transforms it when loading (load the "
+                                "model in memory instead)")
+        out[new] = key
+    return out
+
+
+def skeleton(path: Path, config=None, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model of folder `path` on the meta device (buffers real), in `dtype` or the stored one."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    from normswap.io import is_causal_lm
+    config = config or AutoConfig.from_pretrained(path, local_files_only=True)
+    if dtype is None:
+        reader = shards.Reader(path)
+        dtype = next((d for d, _ in map(reader.meta, reader.keys()) if d.is_floating_point), torch.float32)
+    cls = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+    with init_empty_weights():
+        model = cls.from_config(config, dtype=dtype)
+    model.tie_weights()  # ties made inside init_empty_weights are lost (it re-creates each parameter)
+    return model.eval()
+
+
+class _StreamExact(MethodResult):
+    """What the exact method would do, recorded per layer for the streaming pass."""
+
+    def __init__(self, edits: dict[str, list], fixes: dict, **kw):
+        super().__init__("exact", **kw)
+        self.edits, self.fixes = edits, fixes
+
+    def after_swap(self, model: nn.Module, report) -> None:
+        from normswap.surgery.centring import add_output_fix, describe_fix
+        for name, (centre, bias) in self.fixes.items():
+            add_output_fix(model.get_submodule(name), centre, bias)
+        model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
+                                                 **{n: describe_fix(model.get_submodule(n)) for n in self.fixes}}
+
+
+def _plan_exact(model: nn.Module, sites, p, tied: set[str]) -> _StreamExact:
+    """`exact.convert_exact`'s decisions, without its arithmetic (same order, so the same bits)."""
+    from normswap.surgery.walk import ensure_bias
+    edits: dict[str, list] = {}
+    fixes: dict = {}
+    for name in p.embeddings:
+        if name in tied:
+            if not hasattr(model.get_submodule(name), "normswap_centre"):
+                fixes[name] = (True, None)
+        else:
+            edits.setdefault(name, []).append(("centre", None))
+    for name in p.writers:
+        edits.setdefault(name, []).append(("centre", None))
+    if p.embed_norm:
+        fixes[p.embed_norm] = (True, None)
+    bias: dict[str, str] = {}
+    added: list[str] = []
+    for s in sites:
+        b = None if s.bias is None else s.bias.detach().double()
+        if b is None or not b.any():
+            bias[s.name] = "none"
+            continue
+        bias[s.name] = "folded"
+        if p.consumers[s.name]:
+            for u in p.consumers[s.name]:
+                layer = model.get_submodule(u)
+                _, created = ensure_bias(layer)  # on meta: the pass below fills it
+                if created:
+                    added.append(u)
+                    setattr(layer, ZERO_OK, ("bias",))
+                edits.setdefault(u, []).append(("fold", b))
+        else:
+            centre = s.name == p.embed_norm
+            fixes[s.name] = (centre, b - b.mean() if centre else b)
+    return _StreamExact(edits, fixes, bias=bias, added_biases=added)
+
+
+def _method(method: str, plan_fn, tied: set[str]):
+    """The convert method for streaming: exact/auto record edits; naive needs none."""
+    from normswap.surgery.adapters import NotExact
+    naive = get_method("naive")
+
+    def run(model: nn.Module, sites) -> MethodResult:
+        if method == "naive":
+            return naive(model, sites)
+        try:
+            p = plan_fn(model, sites)
+        except NotExact as e:
+            if method == "exact":
+                raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the "
+                                    "biases; heal by fine-tuning) or --method auto") from None
+            result = naive(model, sites)
+            result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm "
+                                   "biases and changes outputs: measure the change and heal (fine-tune)")
+            return result
+        return _plan_exact(model, sites, p, tied)
+    return run
+
+
+def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list]):
+    """Yield the converted model's tensors in `specs` order; edited layers are read, edited, dropped."""
+    from normswap.surgery.exact import _centre_writer, _fold
+    left: dict[str, int] = {}
+    for key, _, _ in specs:
+        owner = key.rpartition(".")[0]
+        if owner in edits:
+            left[owner] = left.get(owner, 0) + 1
+    with torch.no_grad():
+        for key, dtype, _ in specs:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            if owner in edits and edits[owner] is not None:
+                lazy.load(model, owner)
+                for op, b in edits[owner]:
+                    if op == "fold":
+                        _fold(module, b)
+                    else:
+                        (_centre_rows if isinstance(module, nn.Embedding) else _centre_writer)(module)
+                edits[owner] = None  # done: never edit twice
+            t = getattr(module, attr)
+            if t.is_meta:
+                k = lazy.key(key)
+                if k is None:
+                    raise NormswapError(f"{key} is not in the checkpoint")
+                t = lazy.reader.get(k).to(dtype)
+                if lazy.bar is not None:
+                    lazy.bar.update(t.numel() * t.element_size())
+            yield t
+            if owner in left:
+                left[owner] -= 1
+                if not left[owner]:
+                    lazy.free(module, min_dim=2)
+
+
+CHUNK_BYTES = 1 << 26  # float64 working set of one step of an embedding's centring
+
+
+def _centre_rows(module: nn.Embedding) -> None:
+    """`exact._centre_writer` on an embedding, a block of rows at a time (each row is centred on its own):
+    the float64 temporaries of a whole vocabulary were 6x the largest tensor of a GPT-2 checkpoint."""
+    from normswap.surgery.exact import _centre_writer
+    w = module.weight
+    rows = max(1, CHUNK_BYTES // (8 * w.shape[1]))
+    for i in range(0, w.shape[0], rows):
+        part = nn.Embedding.__new__(nn.Embedding)
+        nn.Module.__init__(part)
+        part.weight = nn.Parameter(w[i:i + rows], requires_grad=False)  # a view: edits land in `w`
+        _centre_writer(part)
+
+
+def _sample_inputs(model: nn.Module) -> list[dict]:
+    """`parity.sample_inputs` for a model whose parameters are on meta: the inputs go to the CPU."""
+    dtype = next(model.parameters()).dtype
+    stand_in = types.SimpleNamespace(config=model.config, main_input_name=getattr(model, "main_input_name", ""),
+                                     parameters=lambda: iter([torch.empty(0, dtype=dtype)]))
+    return sample_inputs(stand_in)
+
+
+def verify_lazy(src: Path, out: Path, dtype: torch.dtype, progress: bool = False):
+    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
+    from normswap.io import apply_structure, read_config
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(out, local_files_only=True)
+    converted = skeleton(out, config, dtype)
+    apply_structure(converted, read_config(out)["normswap"])
+    reference = skeleton(src, None, dtype)
+    inputs = _sample_inputs(reference)
+    total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
+    with _progress(total, "verify", progress) as bar:
+        ref = Lazy(reference, shards.Reader(src), bar).attach(reference.float())
+        new = Lazy(converted, shards.Reader(out), bar).attach(converted.float())
+        return compare(ref, new, inputs)
+
+
+def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
+                   p: float | None = None, dtype: str | None = None, overwrite: bool = False,
+                   max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE, plan_fn=None,
+                   progress: bool = False):
+    """Convert the safetensors folder `src` into `out` in bounded memory; (report, parity).
+
+    Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
+    verified on sample inputs before `out` appears.
+    """
+    import normswap
+    from normswap.io import DTYPES, load_tokenizer
+    from normswap.surgery.exact import TOLERANCE
+    from normswap.surgery.exact import plan as exact_plan
+    src = Path(src).expanduser()
+    target = DTYPES[dtype] if dtype else None
+    try:
+        model = skeleton(src, None, target)
+    except Exception as e:  # as load_model says it: one line
+        raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
+    if (src / "generation_config.json").exists():  # as from_pretrained does
+        from transformers import GenerationConfig
+        model.generation_config = GenerationConfig.from_pretrained(src)
+    first = shards.aliases(model)  # before any tensor is replaced: ties are still objects
+    tied = {x.rpartition(".")[0] for n, f in first.items() if n != f for x in (n, f)}  # modules sharing a tensor
+    lazy = Lazy(model, shards.Reader(src))
+    for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
+        lazy.load(model, name, max_dim=1)
+    run = _method(method, plan_fn or exact_plan, tied)
+    holder: dict = {}
+
+    def method_fn(m, sites):
+        holder["result"] = run(m, sites)
+        return holder["result"]
+
+    report = normswap.convert(model, to=to, method=method_fn, p=p)
+    if not report.converted:
+        return report, None
+    report.method = holder["result"].method
+    edits = getattr(holder["result"], "edits", {})
+    specs = shards.saved_specs(model)
+    stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
+    parity: dict = {}
+
+    def check(tmp: Path) -> None:  # runs on the written folder before it replaces `out`
+        parity["p"] = verify_lazy(src, tmp, stored, progress)
+        if report.method == "exact":
+            tol = TOLERANCE.get(stored, 1e-4)
+            enforce = to == "rmsnorm"
+            report.verification = {**parity["p"].to_dict(), "dtype": str(stored)[6:], "tolerance": tol,
+                                   "enforced": enforce}
+            if enforce and not parity["p"].max_rel <= tol:
+                raise NormswapError(f"exact conversion failed verification: max relative {parity['p'].output} "
+                                    f"error {parity['p'].max_rel:.2e} > {tol:g} ({str(stored)[6:]}); "
+                                    "nothing was saved")
+
+    with _progress(sum(shards.nbytes(s, d) for _, d, s in specs), "convert", progress) as bar:
+        lazy.bar = bar
+        model._normswap_tensors = lambda specs: _edited_tensors(model, lazy, specs, edits)
+        normswap.save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,
+                                 max_shard_size=max_shard_size, check=check)
+    if to == "prmsnorm" and report.method == "exact":
+        report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
+                               "exactly but the result is approximate (verification not enforced)")
+    return report, parity["p"]

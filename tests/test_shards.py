@@ -1,0 +1,118 @@
+"""Sharded safetensors checkpoints: written and read by normswap, and interchangeable with transformers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from conftest import tiny_model
+
+import normswap
+from normswap import shards
+from normswap.errors import NormswapError
+
+
+def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def test_parse_size():
+    assert shards.parse_size("5GB") == 5 * 10**9
+    assert shards.parse_size("200kB") == 200_000
+    assert shards.parse_size("1GiB") == 2**30
+    assert shards.parse_size(1234) == 1234
+    for bad in ("five", "-1GB", "0", "3XB"):
+        with pytest.raises(NormswapError, match="bad shard size"):
+            shards.parse_size(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_round_trip_is_bit_exact(tmp_path, dtype):
+    model = tiny_model("gpt2", dtype=dtype)
+    normswap.convert(model, method="exact", to="rmsnorm")
+    normswap.save_pretrained(model, tmp_path / "m", max_shard_size="20kB")
+    index = json.loads((tmp_path / "m" / shards.INDEX).read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n >= 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (tmp_path / "m" / shards.WEIGHTS).exists()
+    # Every shard is a valid safetensors file of at most the limit (unless one tensor alone is bigger).
+    total = 0
+    for f in files:
+        part = safetensors.torch.load_file(tmp_path / "m" / f)
+        size = sum(t.numel() * t.element_size() for t in part.values())
+        assert size <= 20_000 or len(part) == 1
+        assert all(index["weight_map"][k] == f for k in part)
+        total += size
+    assert index["metadata"]["total_size"] == total
+    loaded = normswap.from_pretrained(tmp_path / "m")
+    _state_equal(loaded, model)
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    # Sharded input, sharded output again: still the same bits.
+    normswap.save_pretrained(loaded, tmp_path / "m2", max_shard_size="30kB")
+    _state_equal(normswap.from_pretrained(tmp_path / "m2"), model)
+
+
+def test_single_file_below_the_limit(tmp_path):
+    model = tiny_model("gpt2")
+    normswap.convert(model, method="exact", to="rmsnorm")
+    normswap.save_pretrained(model, tmp_path / "m")  # default 50GB: one file, no index
+    assert (tmp_path / "m" / shards.WEIGHTS).exists() and not (tmp_path / "m" / shards.INDEX).exists()
+    ours = safetensors.torch.load_file(tmp_path / "m" / shards.WEIGHTS)
+    ref = model.state_dict()
+    assert all(torch.equal(ours[k], ref[k]) for k in ours)
+
+
+def test_reads_transformers_sharded_checkpoints(tmp_path):
+    model = tiny_model("opt")
+    model.save_pretrained(tmp_path / "hf", max_shard_size="20kB")
+    assert (tmp_path / "hf" / shards.INDEX).exists()
+    loaded, _ = normswap.load_model(str(tmp_path / "hf"))
+    _state_equal(loaded, model)
+    # A converted model saved sharded by transformers itself loads through normswap.from_pretrained.
+    normswap.convert(model, method="exact", to="rmsnorm")
+    model.save_pretrained(tmp_path / "hf2", max_shard_size="20kB")
+    _state_equal(normswap.from_pretrained(tmp_path / "hf2"), model)
+
+
+def test_transformers_reads_our_shards(tmp_path):
+    model = tiny_model("gpt_neox")
+    normswap.save_pretrained(model, tmp_path / "m", max_shard_size="20kB")
+    back = transformers.GPTNeoXForCausalLM.from_pretrained(tmp_path / "m")
+    _state_equal(back, model)
+
+
+def test_broken_index_and_missing_shard_are_one_line_errors(tmp_path):
+    model = tiny_model("gpt2")
+    normswap.convert(model, method="naive", to="rmsnorm")
+    normswap.save_pretrained(model, tmp_path / "m", max_shard_size="20kB")
+    first = sorted((tmp_path / "m").glob("model-*.safetensors"))[0]
+    first.unlink()
+    with pytest.raises(NormswapError, match="is missing"):
+        normswap.from_pretrained(tmp_path / "m")
+    (tmp_path / "m" / shards.INDEX).write_text("{}")
+    with pytest.raises(NormswapError, match="not a safetensors index"):
+        normswap.from_pretrained(tmp_path / "m")
+
+
+def test_cli_max_shard_size(tmp_path):
+    from click.testing import CliRunner
+
+    from normswap.cli import main
+    model = tiny_model("gpt2")
+    model.save_pretrained(tmp_path / "src", max_shard_size="20kB")
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "exact",
+                                    "-o", str(tmp_path / "out"), "--max-shard-size", "30kB", "--json"])
+    assert run.exit_code == 0, run.output
+    assert len(set(json.loads((tmp_path / "out" / shards.INDEX).read_text())["weight_map"].values())) >= 2
+    ref = tiny_model("gpt2")
+    normswap.convert(ref, method="exact", to="rmsnorm")
+    _state_equal(normswap.from_pretrained(tmp_path / "out"), ref)
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm",
+                                    "-o", str(tmp_path / "bad"), "--max-shard-size", "lots"])
+    assert run.exit_code == 1 and "bad shard size" in run.output and not (tmp_path / "bad").exists()
