@@ -124,6 +124,10 @@ def _weights_headers(folder: Path) -> bytes:
             raise NormswapError(f"{folder / INDEX} is not a safetensors index (no weight_map)") from None
     else:
         files = [WEIGHTS]
+    for name in files:
+        if not (folder / name).is_file():
+            raise NormswapError(f"{folder}: shard {name} listed in {INDEX} is missing" if name != WEIGHTS
+                                else f"{folder} has no {WEIGHTS}")
     # A single file hashes as its header alone (format-2 folders written before sharding stay valid).
     if files == [WEIGHTS]:
         return _safetensors_header(folder / WEIGHTS)

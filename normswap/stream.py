@@ -5,13 +5,13 @@
    memory: the norms are swapped, biases created, output fixes and config.normswap recorded, and the
    method returns which layer gets which edit instead of doing it (`_StreamExact`).
 2. The output is written tensor by tensor in state_dict order (`shards.write`): an edited layer's
-   weights are read, edited by the in-memory code (`exact._centre_writer`, `exact._fold`), written and
+   weights are read, edited by the in-memory code (`exact._centre_step`, `exact._fold`), written and
    put back on meta; other tensors are copied through. Peak: a few of the largest tensors.
 3. Verification runs the original folder and the written one on the sample inputs through lazy models:
    each module's tensors are read just before its forward and dropped after it (`Lazy`).
 
-The plan is asked for with `plan_fn(model, sites)` on the meta model whose 1-D tensors are real; a plan
-that needs a forward pass would have to run it on a random-weight instance of the same config.
+The plan is `exact.plan`'s, from one traced forward of the meta model whose modules read their weights
+from the checkpoint just for their own forward (`_lazy_plan`): the same plan as in memory, in bounded memory.
 """
 from __future__ import annotations
 
@@ -116,6 +116,46 @@ class Lazy:
         return model
 
 
+def _lazy_plan(lazy: Lazy, inputs: dict):
+    """`exact.plan` on the meta model: its one traced forward reads each module's weights just before the
+    module runs and puts them back on meta after it. The weights are swapped into the same Parameter
+    objects (never new ones), so tied weights stay tied and the plan sees the model as it is."""
+    from normswap.surgery.exact import plan as exact_plan
+
+    def plan_fn(model: nn.Module, sites):
+        held: dict[int, list] = {}
+
+        def load(module, args, name):
+            prefix = name + "." if name else ""
+            held[id(module)] = []
+            for n, t in module._parameters.items():
+                key = lazy.key(prefix + n) if t is not None and t.is_meta else None
+                if key is not None:
+                    real = nn.Parameter(lazy.reader.get(key).to(t.dtype), requires_grad=False)
+                    torch.utils.swap_tensors(t, real)   # `real` now holds the meta tensor
+                    held[id(module)].append((t, real))
+
+        def drop(module, args, output):
+            for t, meta in held.pop(id(module), []):
+                torch.utils.swap_tensors(t, meta)
+
+        handles = []
+        for name, module in model.named_modules():
+            if module._parameters:
+                handles.append(module.register_forward_pre_hook(lambda m, a, n=name: load(m, a, n)))
+                handles.append(module.register_forward_hook(drop))
+        try:
+            return exact_plan(model, sites, inputs)
+        finally:
+            for h in handles:
+                h.remove()
+            for module_id in list(held):   # a forward that failed midway
+                for t, meta in held.pop(module_id):
+                    torch.utils.swap_tensors(t, meta)
+            _trim()
+    return plan_fn
+
+
 def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     """Model state name -> checkpoint key, renamed as transformers renames when loading (base-model prefix,
     legacy names such as GPT-NeoX's embed_out); tensors it would convert (merge, split) are refused."""
@@ -135,19 +175,19 @@ def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     return out
 
 
-def skeleton(path: Path, config=None, dtype: torch.dtype | None = None) -> nn.Module:
-    """The model of folder `path` on the meta device (buffers real), in `dtype` or the stored one."""
+def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None) -> nn.Module:
+    """The model of folder `path` on the meta device (buffers real), in `dtype` or the stored one.
+    Never runs the folder's own code (no remote code)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from normswap.io import is_causal_lm
-    config = config or AutoConfig.from_pretrained(path, local_files_only=True)
+    from normswap.io import auto_class
+    config = config or AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     if dtype is None:
         reader = shards.Reader(path)
         dtype = next((d for d, _ in map(reader.meta, reader.keys()) if d.is_floating_point), torch.float32)
-    cls = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
     with init_empty_weights():
-        model = cls.from_config(config, dtype=dtype)
+        model = cls(config).to(dtype) if cls is not None else auto_class(config).from_config(config, dtype=dtype)
     model.tie_weights()  # ties made inside init_empty_weights are lost (it re-creates each parameter)
     return model.eval()
 
@@ -167,46 +207,35 @@ class _StreamExact(MethodResult):
                                                  **{n: describe_fix(model.get_submodule(n)) for n in self.fixes}}
 
 
-def _plan_exact(model: nn.Module, sites, p, tied: set[str]) -> _StreamExact:
-    """`exact.convert_exact`'s decisions, without its arithmetic (same order, so the same bits)."""
+def _plan_exact(model: nn.Module, sites, p) -> _StreamExact:
+    """`exact.convert_exact`'s steps, recorded per module instead of applied (same order, so the same bits).
+    Norm biases are 1-D, hence already real on the meta model."""
     from normswap.surgery.walk import ensure_bias
     edits: dict[str, list] = {}
     fixes: dict = {}
-    for name in p.embeddings:
-        if name in tied:
-            if not hasattr(model.get_submodule(name), "normswap_centre"):
-                fixes[name] = (True, None)
-        else:
-            edits.setdefault(name, []).append(("centre", None))
-    for name in p.writers:
-        edits.setdefault(name, []).append(("centre", None))
-    if p.embed_norm:
-        fixes[p.embed_norm] = (True, None)
-    bias: dict[str, str] = {}
     added: list[str] = []
-    for s in sites:
-        b = None if s.bias is None else s.bias.detach().double()
-        if b is None or not b.any():
-            bias[s.name] = "none"
-            continue
-        bias[s.name] = "folded"
-        if p.consumers[s.name]:
-            for u in p.consumers[s.name]:
-                layer = model.get_submodule(u)
-                _, created = ensure_bias(layer)  # on meta: the pass below fills it
-                if created:
-                    added.append(u)
-                    setattr(layer, ZERO_OK, ("bias",))
-                edits.setdefault(u, []).append(("fold", b))
+    for step in p.steps:
+        if step.op == "centre":
+            owner = step.target[6:].rpartition(".")[0] if step.target.startswith("param:") else step.target
+            edits.setdefault(owner, []).append(("centre", step))
+        elif step.op == "fold":
+            b = model.get_submodule(step.norm).bias.detach().double()
+            layer = model.get_submodule(step.target)
+            _, created = ensure_bias(layer)  # on meta: the pass below fills it
+            if created:
+                added.append(step.target)
+                setattr(layer, ZERO_OK, ("bias",))
+            edits.setdefault(step.target, []).append(("fold", b))
         else:
-            centre = s.name == p.embed_norm
-            fixes[s.name] = (centre, b - b.mean() if centre else b)
+            b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
+            fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
+    bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
     return _StreamExact(edits, fixes, bias=bias, added_biases=added)
 
 
-def _method(method: str, plan_fn, tied: set[str]):
+def _method(method: str, plan_fn):
     """The convert method for streaming: exact/auto record edits; naive needs none."""
-    from normswap.surgery.adapters import NotExact
+    from normswap.surgery.exact import NotExact
     naive = get_method("naive")
 
     def run(model: nn.Module, sites) -> MethodResult:
@@ -214,6 +243,8 @@ def _method(method: str, plan_fn, tied: set[str]):
             return naive(model, sites)
         try:
             p = plan_fn(model, sites)
+            if getattr(p, "reason", None):
+                raise NotExact(p.reason)
         except NotExact as e:
             if method == "exact":
                 raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the "
@@ -222,13 +253,13 @@ def _method(method: str, plan_fn, tied: set[str]):
             result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm "
                                    "biases and changes outputs: measure the change and heal (fine-tune)")
             return result
-        return _plan_exact(model, sites, p, tied)
+        return _plan_exact(model, sites, p)
     return run
 
 
 def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list]):
     """Yield the converted model's tensors in `specs` order; edited layers are read, edited, dropped."""
-    from normswap.surgery.exact import _centre_writer, _fold
+    from normswap.surgery.exact import _centre_step, _fold
     left: dict[str, int] = {}
     for key, _, _ in specs:
         owner = key.rpartition(".")[0]
@@ -240,11 +271,11 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
             module = model.get_submodule(owner)
             if owner in edits and edits[owner] is not None:
                 lazy.load(model, owner)
-                for op, b in edits[owner]:
+                for op, arg in edits[owner]:
                     if op == "fold":
-                        _fold(module, b)
-                    else:
-                        (_centre_rows if isinstance(module, nn.Embedding) else _centre_writer)(module)
+                        _fold(module, arg)
+                    else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
+                        _centre_step(model, arg.target, arg.group)
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:
@@ -261,37 +292,21 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                     lazy.free(module, min_dim=2)
 
 
-CHUNK_BYTES = 1 << 26  # float64 working set of one step of an embedding's centring
-
-
-def _centre_rows(module: nn.Embedding) -> None:
-    """`exact._centre_writer` on an embedding, a block of rows at a time (each row is centred on its own):
-    the float64 temporaries of a whole vocabulary were 6x the largest tensor of a GPT-2 checkpoint."""
-    from normswap.surgery.exact import _centre_writer
-    w = module.weight
-    rows = max(1, CHUNK_BYTES // (8 * w.shape[1]))
-    for i in range(0, w.shape[0], rows):
-        part = nn.Embedding.__new__(nn.Embedding)
-        nn.Module.__init__(part)
-        part.weight = nn.Parameter(w[i:i + rows], requires_grad=False)  # a view: edits land in `w`
-        _centre_writer(part)
-
-
 def _sample_inputs(model: nn.Module) -> list[dict]:
     """`parity.sample_inputs` for a model whose parameters are on meta: the inputs go to the CPU."""
     dtype = next(model.parameters()).dtype
     stand_in = types.SimpleNamespace(config=model.config, main_input_name=getattr(model, "main_input_name", ""),
-                                     parameters=lambda: iter([torch.empty(0, dtype=dtype)]))
+                                     parameters=lambda: iter([torch.empty(0, dtype=dtype)]), forward=model.forward)
     return sample_inputs(stand_in)
 
 
 def verify_lazy(src: Path, out: Path, dtype: torch.dtype, progress: bool = False):
     """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
-    from normswap.io import apply_structure, read_config
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(out, local_files_only=True)
-    converted = skeleton(out, config, dtype)
-    apply_structure(converted, read_config(out)["normswap"])
+    from normswap.io import _base_config, apply_structure, read_config
+    raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
+    config, cls = _base_config(raw, raw["normswap"], str(out))
+    converted = skeleton(out, config, dtype, cls)
+    apply_structure(converted, raw["normswap"])
     reference = skeleton(src, None, dtype)
     inputs = _sample_inputs(reference)
     total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
@@ -313,7 +328,6 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     import normswap
     from normswap.io import DTYPES, load_tokenizer
     from normswap.surgery.exact import TOLERANCE
-    from normswap.surgery.exact import plan as exact_plan
     src = Path(src).expanduser()
     target = DTYPES[dtype] if dtype else None
     try:
@@ -323,12 +337,10 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     if (src / "generation_config.json").exists():  # as from_pretrained does
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(src)
-    first = shards.aliases(model)  # before any tensor is replaced: ties are still objects
-    tied = {x.rpartition(".")[0] for n, f in first.items() if n != f for x in (n, f)}  # modules sharing a tensor
     lazy = Lazy(model, shards.Reader(src))
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1)
-    run = _method(method, plan_fn or exact_plan, tied)
+    run = _method(method, plan_fn or _lazy_plan(lazy, _sample_inputs(model)[0]))
     holder: dict = {}
 
     def method_fn(m, sites):

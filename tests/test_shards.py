@@ -74,10 +74,15 @@ def test_reads_transformers_sharded_checkpoints(tmp_path):
     assert (tmp_path / "hf" / shards.INDEX).exists()
     loaded, _ = normswap.load_model(str(tmp_path / "hf"))
     _state_equal(loaded, model)
-    # A converted model saved sharded by transformers itself loads through normswap.from_pretrained.
+    # A converted model saved sharded loads back bit-exact; saved by transformers itself (no checksum, old
+    # section format) it is refused with a clear line rather than trusted.
     normswap.convert(model, method="exact", to="rmsnorm")
+    normswap.save_pretrained(model, tmp_path / "ns", max_shard_size="20kB")
+    assert (tmp_path / "ns" / shards.INDEX).exists()
+    _state_equal(normswap.from_pretrained(tmp_path / "ns"), model)
     model.save_pretrained(tmp_path / "hf2", max_shard_size="20kB")
-    _state_equal(normswap.from_pretrained(tmp_path / "hf2"), model)
+    with pytest.raises(NormswapError, match="checksum mismatch"):
+        normswap.from_pretrained(tmp_path / "hf2")
 
 
 def test_transformers_reads_our_shards(tmp_path):
