@@ -45,7 +45,7 @@ from normswap.errors import NormswapError
 from normswap.norms import PartialRMSNorm
 from normswap.norms import is_rms_norm
 from normswap.parity import compare, sample_inputs
-from normswap.surgery.centring import add_output_fix, describe_fix
+from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
 from normswap.surgery.plan import NormPlan, Plan, derive
 from normswap.surgery.trace import trace
@@ -125,15 +125,18 @@ def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` finishes and verifies the swapped model."""
 
-    def __init__(self, reference: nn.Module, fixes: dict, **kw):
+    def __init__(self, reference: nn.Module, fixes: dict, inputs: list[str], **kw):
         super().__init__("exact", **kw)
-        self.reference, self.fixes = reference, fixes
+        self.reference, self.fixes, self.inputs = reference, fixes, inputs
 
     def after_swap(self, model: nn.Module, report) -> None:
         for name, (centre, bias) in self.fixes.items():
             add_output_fix(model.get_submodule(name), centre, bias)
+        for name in self.inputs:
+            add_input_fix(model.get_submodule(name))
         model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                                 **{n: describe_fix(model.get_submodule(n)) for n in self.fixes}}
+                                                 **{n: describe_fix(model.get_submodule(n))
+                                                    for n in [*self.fixes, *self.inputs]}}
         partial = any(isinstance(model.get_submodule(r.name), PartialRMSNorm) for r in report.converted)
         if partial:
             report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
@@ -164,17 +167,20 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
     reference = copy.deepcopy(model)
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     added: list[str] = []
+    inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
             _centre_step(model, step.target, step.group)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if _fold(model.get_submodule(step.target), b) else []
+        elif step.norm == "input":
+            inputs.append(step.target)
         else:   # output fixes wait for the swap; the bias is read now, before the norm is replaced
             b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
             fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
     bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
-    return ExactResult(reference, fixes, bias=bias, added_biases=added)
+    return ExactResult(reference, fixes, inputs, bias=bias, added_biases=added)
 
 
 @register_method("exact")

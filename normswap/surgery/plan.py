@@ -12,7 +12,7 @@ through `model.get_submodule`, so a streaming applier can materialise just what 
   along its output dim (a layer's weight and bias, or a parameter's last dim);
 - Step("fold", target, norm): target.bias += W @ norm.bias;
 - Step("fix", target, norm, centre): after the swap, centre target's output and/or add norm's bias
-  after it (see `centring`).
+  after it (see `centring`); norm="input": centre target's first input instead (an "entry" source).
 """
 from __future__ import annotations
 
@@ -135,6 +135,10 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
             if kind == "norm":   # a norm writing the stream: centre its output (bias: see below)
                 if name not in sites and not hasattr(model.get_submodule(name), "normswap_centre"):
                     steps.append(Step("fix", name, centre=True))
+                continue
+            if kind == "entry":   # an opaque sum entering a block: centred at the block's input
+                if not getattr(model.get_submodule(name), "normswap_centre_input", False):
+                    steps.append(Step("fix", name, centre=True, norm="input"))
                 continue
             layer = model.get_submodule(name) if kind == "layer" else None
             if isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre")):

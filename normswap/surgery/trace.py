@@ -35,7 +35,7 @@ IGNORE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "ne
 
 @dataclass
 class Trace:
-    """What one forward showed. Labels are "layer:<name>", "norm:<name>", "param:<name>"."""
+    """What one forward showed. Labels are "layer:<name>", "norm:<name>", "param:<name>", "entry:<name>"."""
 
     norm_inputs: dict[str, tuple[frozenset, str | None]] = field(default_factory=dict)  # norm -> input
     readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))   # norm -> layers
@@ -101,6 +101,14 @@ class _Recorder(TorchFunctionMode):
             self.use(frozenset().union(*(i[0] for _, i in tracked if not i[1])), f"operation '{name}'")
         for o in outs:
             self.set(o, labels, opaque)
+
+    def entry(self, name: str, args, kwargs) -> None:
+        """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
+        "entry:<block>", centred by a pre-hook on the block if a norm reads it."""
+        x = next(iter(_tensors((args, kwargs))), None)
+        info = None if x is None else self.get(x)
+        if self.inside is None and info is not None and info[1] and x.dim() > 1:
+            self.set(x, frozenset({"entry:" + name}), None)
 
     # Leaf-module hooks.
     def pre(self, name: str, module: nn.Module, args, kwargs) -> None:
@@ -175,7 +183,10 @@ def trace(model: nn.Module, inputs: dict, norms: set[str]) -> Trace:
     handles = []
     for name, module in model.named_modules():
         leaf = not any(True for _ in module.children())
-        if leaf and (name in norms or any(True for _ in module.parameters(recurse=False))):
+        if not leaf and name:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, n=name: rec.entry(n, a, k), with_kwargs=True))
+        elif leaf and (name in norms or any(True for _ in module.parameters(recurse=False))):
             handles.append(module.register_forward_pre_hook(
                 lambda m, a, k, n=name: rec.pre(n, m, a, k), with_kwargs=True))
             handles.append(module.register_forward_hook(lambda m, a, o, n=name: rec.post(n, m, o)))
