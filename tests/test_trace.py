@@ -36,6 +36,8 @@ MODELS = {
     "phi-qk_layernorm": (lambda: tf.PhiForCausalLM(tf.PhiConfig(vocab_size=V, hidden_size=D, qk_layernorm=True,
                                                                 **LAYERS)), {"input_ids": _ids()}),
     "vit": (lambda: tf.ViTModel(tf.ViTConfig(**VISION)), {"pixel_values": PIXELS}),
+    "dinov2": (lambda: tf.Dinov2Model(tf.Dinov2Config(mlp_ratio=2, **{**VISION, "intermediate_size": None})),
+               {"pixel_values": PIXELS}),
     "clip-text": (lambda: tf.CLIPTextModel(tf.CLIPTextConfig(vocab_size=V, hidden_size=D, max_position_embeddings=64,
                                                              **LAYERS)), {"input_ids": _ids()}),
     "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
@@ -101,6 +103,14 @@ def test_qk_norms_centred_per_head():
     q = p.norms["model.layers.0.self_attn.q_layernorm"]
     assert q.sources == ["layer:model.layers.0.self_attn.q_proj"] and q.bias == "after" and q.width == D // 4
     assert any(s.op == "centre" and s.target.endswith("q_proj") and s.group == D // 4 for s in p.steps)
+
+
+def test_layerscale_folded_then_centred():
+    model, inputs = _build("dinov2")
+    p = exact.plan(model, find_norms(model)[0], inputs)
+    assert "layer:encoder.layer.0.layer_scale1" in p.norms["encoder.layer.0.norm2"].sources
+    i = p.steps.index(exact.Step("scale", "encoder.layer.0.layer_scale1", norm="encoder.layer.0.attention.o_proj"))
+    assert p.steps[i + 1] == exact.Step("centre", "encoder.layer.0.attention.o_proj", group=D)
 
 
 def test_encoder_decoder_plan():

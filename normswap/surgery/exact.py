@@ -47,7 +47,7 @@ from normswap.norms import is_rms_norm
 from normswap.parity import compare, sample_inputs
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
-from normswap.surgery.plan import NormPlan, Plan, derive
+from normswap.surgery.plan import NormPlan, Plan, Step, derive  # noqa: F401  (Step: for callers)
 from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite, ensure_bias
 
@@ -113,6 +113,17 @@ def _centre_step(model: nn.Module, target: str, group: int) -> None:
         _update(layer.bias, _centre(layer.bias, 0, group))
 
 
+def _fold_scale(scale: nn.Module, layer: nn.Module) -> None:
+    """layer's outputs *= the scale's parameter, which becomes 1 (LayerScale folded into the layer)."""
+    lam = next(scale.parameters())
+    dim = 1 if type(layer).__name__ == "Conv1D" else 0
+    shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
+    _update(layer.weight, layer.weight.double() * lam.double().view(shape))
+    if getattr(layer, "bias", None) is not None:
+        _update(layer.bias, layer.bias.double() * lam.double())
+    lam.fill_(1.0)
+
+
 def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
     w = layer.weight.double()
@@ -174,6 +185,8 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if _fold(model.get_submodule(step.target), b) else []
+        elif step.op == "scale":
+            _fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
         elif step.norm == "input":
             inputs.append(step.target)
         else:   # output fixes wait for the swap; the bias is read now, before the norm is replaced

@@ -41,6 +41,7 @@ class Trace:
     readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))   # norm -> layers
     uses: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))        # label -> users
     fed_norms: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))   # label -> norms
+    scales: dict[str, tuple[frozenset, str | None]] = field(default_factory=dict)       # LayerScale -> input
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -120,6 +121,8 @@ class _Recorder(TorchFunctionMode):
                 if not info[1]:
                     for label in info[0]:
                         self.trace.fed_norms[label].add(name)
+        elif info is not None and _is_scale(module, x):   # foldable into the layer before: not a use
+            self.trace.scales[name] = info
         elif info is not None and not info[1]:
             norm = next(iter(info[0]))[5:] if len(info[0]) == 1 and next(iter(info[0])).startswith("norm:") else None
             if norm is not None and x.shape[-1] == _in_width(module):
@@ -133,6 +136,13 @@ class _Recorder(TorchFunctionMode):
         first = next(iter(_tensors(out)), None)
         if first is not None:
             self.set(first, frozenset({("norm:" if name in self.norms else "layer:") + name}), None)
+
+
+def _is_scale(module: nn.Module, x: torch.Tensor) -> bool:
+    """A per-channel scale (LayerScale): one 1-D parameter as wide as its input, nothing else."""
+    params = list(module.parameters(recurse=False))
+    return (len(params) == 1 and params[0].dim() == 1 and params[0].shape[0] == x.shape[-1]
+            and not isinstance(module, (nn.Linear, nn.Embedding)))
 
 
 def _in_width(module: nn.Module) -> int:
