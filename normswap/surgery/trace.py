@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 PASS = {"view", "reshape", "permute", "transpose", "contiguous", "to", "float", "half", "bfloat16", "double",
         "type", "type_as", "clone", "dropout", "expand", "expand_as", "flatten", "unflatten", "squeeze",
         "unsqueeze", "__getitem__", "detach", "view_as", "reshape_as", "movedim", "cat", "concat", "concatenate",
-        "stack", "requires_grad_", "narrow", "select", "index_select"}
+        "stack", "requires_grad_", "narrow", "select", "index_select", "split", "chunk", "unbind"}
+SLICE = {"__getitem__", "narrow", "select", "index_select", "split", "chunk", "unbind"}   # not of the hidden dim
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_"}
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
@@ -168,7 +169,7 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
                 return f"{name} with an untracked tensor"
             if name != "stack" and dim in (-1, parts[0].dim() - 1):
                 return f"{name} along the hidden dim"
-        elif name in ("__getitem__", "narrow", "select", "index_select") and _last(outs[0]) != _last(ins[0][0]):
+        elif name in SLICE and any(_last(o) != _last(ins[0][0]) for o in outs):
             return f"slice of the hidden dim ({name})"
         return None
     if name in SUM:
