@@ -34,7 +34,8 @@ MODELS = {
         vocab_size=V, hidden_size=D, num_key_value_heads=2, partial_rotary_factor=0.25, use_qkv_bias=True,
         **LAYERS)), {"input_ids": _ids()}),
     "stablelm-parallel-qk_layernorm": (lambda: tf.StableLmForCausalLM(tf.StableLmConfig(
-        vocab_size=V, hidden_size=D, partial_rotary_factor=0.25, use_parallel_residual=True, qk_layernorm=True,
+        vocab_size=V, hidden_size=D, num_key_value_heads=4, partial_rotary_factor=0.25, use_parallel_residual=True,
+        qk_layernorm=True,
         **LAYERS)), {"input_ids": _ids()}),
     "phi-qk_layernorm": (lambda: tf.PhiForCausalLM(tf.PhiConfig(vocab_size=V, hidden_size=D, qk_layernorm=True,
                                                                 **LAYERS)), {"input_ids": _ids()}),
