@@ -42,8 +42,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.norms import PartialRMSNorm
-from normswap.norms import is_rms_norm
+from normswap.norms import PartialRMSNorm, is_rms_norm
 from normswap.parity import compare, sample_inputs
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
@@ -58,6 +57,10 @@ class NotExact(NormswapError):
     """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
+def _line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]   # errors reach the CLI as one line
+
+
 def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) -> Plan:
     """Trace `model` once on `inputs` (default: its first sample input) and derive the plan; the plan's
     `reason` is set where a norm cannot be made exact."""
@@ -65,13 +68,13 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) ->
         try:
             inputs = sample_inputs(model, batch=1, seq=8)[0]
         except Exception as e:  # a model sample_inputs cannot feed
-            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({e})")
+            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({_line(e)})")
                          for s in sites}, [])
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or is_rms_norm(m)}
     try:
         t = trace(model, inputs, norms | {s.name for s in sites})
     except Exception as e:  # the forward itself failed: say so instead of a traceback
-        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {e}")
+        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {_line(e)}")
                      for s in sites}, [])
     return derive(model, t, sites)
 
