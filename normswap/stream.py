@@ -195,25 +195,30 @@ def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None
 class _StreamExact(MethodResult):
     """What the exact method would do, recorded per layer for the streaming pass."""
 
-    def __init__(self, edits: dict[str, list], fixes: dict, **kw):
+    def __init__(self, edits: dict[str, list], fixes: dict, inputs: list[str], **kw):
         super().__init__("exact", **kw)
-        self.edits, self.fixes = edits, fixes
+        self.edits, self.fixes, self.inputs = edits, fixes, inputs
 
     def after_swap(self, model: nn.Module, report) -> None:
-        from normswap.surgery.centring import add_output_fix, describe_fix
+        from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
         for name, (centre, bias) in self.fixes.items():
             add_output_fix(model.get_submodule(name), centre, bias)
+        for name in self.inputs:
+            add_input_fix(model.get_submodule(name))
         model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                                 **{n: describe_fix(model.get_submodule(n)) for n in self.fixes}}
+                                                 **{n: describe_fix(model.get_submodule(n))
+                                                    for n in [*self.fixes, *self.inputs]}}
 
 
+@torch.no_grad()
 def _plan_exact(model: nn.Module, sites, p) -> _StreamExact:
     """`exact.convert_exact`'s steps, recorded per module instead of applied (same order, so the same bits).
-    Norm biases are 1-D, hence already real on the meta model."""
+    Norm biases and LayerScale parameters are 1-D, hence already real on the meta model."""
     from normswap.surgery.walk import ensure_bias
     edits: dict[str, list] = {}
     fixes: dict = {}
     added: list[str] = []
+    inputs: list[str] = []
     for step in p.steps:
         if step.op == "centre":
             owner = step.target[6:].rpartition(".")[0] if step.target.startswith("param:") else step.target
@@ -226,11 +231,17 @@ def _plan_exact(model: nn.Module, sites, p) -> _StreamExact:
                 added.append(step.target)
                 setattr(layer, ZERO_OK, ("bias",))
             edits.setdefault(step.target, []).append(("fold", b))
+        elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
+            lam = next(model.get_submodule(step.target).parameters())
+            edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
+            lam.fill_(1.0)
+        elif step.norm == "input":
+            inputs.append(step.target)
         else:
             b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
             fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
     bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
-    return _StreamExact(edits, fixes, bias=bias, added_biases=added)
+    return _StreamExact(edits, fixes, inputs, bias=bias, added_biases=added)
 
 
 def _method(method: str, plan_fn):
@@ -259,7 +270,7 @@ def _method(method: str, plan_fn):
 
 def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list]):
     """Yield the converted model's tensors in `specs` order; edited layers are read, edited, dropped."""
-    from normswap.surgery.exact import _centre_step, _fold
+    from normswap.surgery.exact import _centre_step, _fold, _scale_layer
     left: dict[str, int] = {}
     for key, _, _ in specs:
         owner = key.rpartition(".")[0]
@@ -274,6 +285,8 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                 for op, arg in edits[owner]:
                     if op == "fold":
                         _fold(module, arg)
+                    elif op == "scale":
+                        _scale_layer(module, arg)
                     else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
                         _centre_step(model, arg.target, arg.group)
                 edits[owner] = None  # done: never edit twice

@@ -55,6 +55,9 @@ def perturb(model: nn.Module, seed: int = 0) -> nn.Module:
             m.weight.copy_(1 + 0.5 * rnd(m.weight.shape))
             if m.bias is not None:
                 m.bias.copy_(0.5 + 0.5 * rnd(m.bias.shape))
+        elif type(m).__name__.endswith("LayerScale"):
+            for p in m.parameters():
+                p.copy_(0.5 + rnd(p.shape))
         elif isinstance(m, nn.Embedding):
             m.weight.add_(0.5 * rnd(m.weight.shape[0], 1) + 0.3)       # per-row mean offsets
         elif isinstance(m, nn.Linear):

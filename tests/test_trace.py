@@ -33,14 +33,27 @@ MODELS = {
     "stablelm": (lambda: tf.StableLmForCausalLM(tf.StableLmConfig(
         vocab_size=V, hidden_size=D, num_key_value_heads=2, partial_rotary_factor=0.25, use_qkv_bias=True,
         **LAYERS)), {"input_ids": _ids()}),
+    "stablelm-parallel-qk_layernorm": (lambda: tf.StableLmForCausalLM(tf.StableLmConfig(
+        vocab_size=V, hidden_size=D, num_key_value_heads=4, partial_rotary_factor=0.25, use_parallel_residual=True,
+        qk_layernorm=True,
+        **LAYERS)), {"input_ids": _ids()}),
     "phi-qk_layernorm": (lambda: tf.PhiForCausalLM(tf.PhiConfig(vocab_size=V, hidden_size=D, qk_layernorm=True,
                                                                 **LAYERS)), {"input_ids": _ids()}),
     "vit": (lambda: tf.ViTModel(tf.ViTConfig(**VISION)), {"pixel_values": PIXELS}),
+    "dinov2": (lambda: tf.Dinov2Model(tf.Dinov2Config(mlp_ratio=2, **{**VISION, "intermediate_size": None})),
+               {"pixel_values": PIXELS}),
     "clip-text": (lambda: tf.CLIPTextModel(tf.CLIPTextConfig(vocab_size=V, hidden_size=D, max_position_embeddings=64,
                                                              **LAYERS)), {"input_ids": _ids()}),
     "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
         text_config=dict(vocab_size=V, hidden_size=D, max_position_embeddings=64, **LAYERS),
         vision_config=VISION, projection_dim=16)), {"input_ids": _ids(), "pixel_values": PIXELS}),
+    "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None)),
+        {"input_features": torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3)),
+         "decoder_input_ids": _ids(5)}),
 }
 
 
@@ -94,6 +107,26 @@ def test_qk_norms_centred_per_head():
     q = p.norms["model.layers.0.self_attn.q_layernorm"]
     assert q.sources == ["layer:model.layers.0.self_attn.q_proj"] and q.bias == "after" and q.width == D // 4
     assert any(s.op == "centre" and s.target.endswith("q_proj") and s.group == D // 4 for s in p.steps)
+
+
+def test_layerscale_folded_then_centred():
+    model, inputs = _build("dinov2")
+    p = exact.plan(model, find_norms(model)[0], inputs)
+    assert "layer:encoder.layer.0.layer_scale1" in p.norms["encoder.layer.0.norm2"].sources
+    i = p.steps.index(exact.Step("scale", "encoder.layer.0.layer_scale1", norm="encoder.layer.0.attention.o_proj"))
+    assert p.steps[i + 1] == exact.Step("centre", "encoder.layer.0.attention.o_proj", group=D)
+
+
+def test_encoder_decoder_plan():
+    """Whisper: the encoder stream enters its first layer after a GELU (centred at that layer's input);
+    the encoder's final norm is read by every decoder layer's cross-attention keys and values."""
+    model, inputs = _build("whisper")
+    p = exact.plan(model, find_norms(model)[0], inputs)
+    assert p.reason is None
+    assert p.norms["model.encoder.layers.0.self_attn_layer_norm"].sources == ["entry:model.encoder.layers.0"]
+    final = p.norms["model.encoder.layer_norm"]
+    assert sorted(final.readers) == [f"model.decoder.layers.{i}.encoder_attn.{x}_proj" for i in (0, 1) for x in "kv"]
+    assert final.bias == "fold"
 
 
 def _bert():

@@ -1,4 +1,5 @@
-"""Output fixes: centre a module's output over the last dim and/or add a bias after it.
+"""Output fixes: centre a module's output over the last dim and/or add a bias after it (input fixes:
+centre the first input of a block instead).
 
 The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
 embedding norm, a headless model's final norm; see `exact`). A forward hook keeps the module, its
@@ -32,13 +33,34 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     module.register_forward_hook(_fix_output)
 
 
+def _centre_input(module: nn.Module, args, kwargs):
+    if args:
+        x = args[0]
+        return (x - x.float().mean(-1, keepdim=True).to(x.dtype), *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    x = kwargs[key]
+    return args, {**kwargs, key: x - x.float().mean(-1, keepdim=True).to(x.dtype)}
+
+
+def add_input_fix(module: nn.Module) -> None:
+    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity)."""
+    if getattr(module, "normswap_centre_input", False):
+        raise ValueError("module already has an input fix")
+    module.normswap_centre_input = True
+    module.register_forward_pre_hook(_centre_input, with_kwargs=True)
+
+
 def describe_fix(module: nn.Module) -> dict:
     """What config.normswap records for a fixed module."""
     bias = getattr(module, "normswap_bias", None)
-    return {"centre": module.normswap_centre, "bias": 0 if bias is None else int(bias.numel())}
+    spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
+    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec
 
 
 def apply_output_fixes(model: nn.Module, fixes: dict[str, dict]) -> None:
-    """Re-create recorded output fixes (zero biases; the weights file fills them)."""
+    """Re-create recorded output fixes (zero biases; the weights file fills them) and input fixes."""
     for name, spec in fixes.items():
-        add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])
+        if spec.get("input"):
+            add_input_fix(model.get_submodule(name))
+        if spec["centre"] or spec["bias"]:
+            add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])

@@ -47,12 +47,11 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.norms import PartialRMSNorm
-from normswap.norms import is_rms_norm
+from normswap.norms import PartialRMSNorm, is_rms_norm
 from normswap.parity import Reference, compare_to, reference_outputs, sample_inputs
-from normswap.surgery.centring import add_output_fix, describe_fix
+from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import MethodResult, naive, register_method
-from normswap.surgery.plan import NormPlan, Plan, derive
+from normswap.surgery.plan import NormPlan, Plan, Step, derive  # noqa: F401  (Step: for callers)
 from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite, ensure_bias
 
@@ -63,6 +62,10 @@ class NotExact(NormswapError):
     """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
+def _line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [""])[0]   # errors reach the CLI as one line
+
+
 def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) -> Plan:
     """Trace `model` once on `inputs` (default: its first sample input) and derive the plan; the plan's
     `reason` is set where a norm cannot be made exact."""
@@ -70,13 +73,13 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) ->
         try:
             inputs = sample_inputs(model, batch=1, seq=8)[0]
         except Exception as e:  # a model sample_inputs cannot feed
-            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({e})")
+            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({_line(e)})")
                          for s in sites}, [])
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or is_rms_norm(m)}
     try:
         t = trace(model, inputs, norms | {s.name for s in sites})
     except Exception as e:  # the forward itself failed: say so instead of a traceback
-        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {e}")
+        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {_line(e)}")
                      for s in sites}, [])
     return derive(model, t, sites)
 
@@ -137,6 +140,22 @@ def _centre_step(model: nn.Module, target: str, group: int) -> None:
         _update(layer.bias, _centre(layer.bias, 0, group))
 
 
+def _scale_layer(layer: nn.Module, lam: torch.Tensor) -> None:
+    """layer's outputs *= lam (per output channel)."""
+    dim = 1 if type(layer).__name__ == "Conv1D" else 0
+    shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
+    _update(layer.weight, layer.weight.double() * lam.double().view(shape))
+    if getattr(layer, "bias", None) is not None:
+        _update(layer.bias, layer.bias.double() * lam.double())
+
+
+def _fold_scale(scale: nn.Module, layer: nn.Module) -> None:
+    """layer's outputs *= the scale's parameter, which becomes 1 (LayerScale folded into the layer)."""
+    lam = next(scale.parameters())
+    _scale_layer(layer, lam)
+    lam.fill_(1.0)
+
+
 def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
     if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
@@ -152,15 +171,18 @@ def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` finishes and verifies the swapped model."""
 
-    def __init__(self, reference: Reference, fixes: dict, **kw):
+    def __init__(self, reference: Reference, fixes: dict, inputs: list[str], **kw):
         super().__init__("exact", **kw)
-        self.reference, self.fixes = reference, fixes
+        self.reference, self.fixes, self.inputs = reference, fixes, inputs
 
     def after_swap(self, model: nn.Module, report) -> None:
         for name, (centre, bias) in self.fixes.items():
             add_output_fix(model.get_submodule(name), centre, bias)
+        for name in self.inputs:
+            add_input_fix(model.get_submodule(name))
         model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                                 **{n: describe_fix(model.get_submodule(n)) for n in self.fixes}}
+                                                 **{n: describe_fix(model.get_submodule(n))
+                                                    for n in [*self.fixes, *self.inputs]}}
         partial = any(isinstance(model.get_submodule(r.name), PartialRMSNorm) for r in report.converted)
         if partial:
             report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
@@ -218,17 +240,22 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
     reference = _reference(model)   # before any edit: outputs, not a copy
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     added: list[str] = []
+    inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
             _centre_step(model, step.target, step.group)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if _fold(model.get_submodule(step.target), b) else []
+        elif step.op == "scale":
+            _fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
+        elif step.norm == "input":
+            inputs.append(step.target)
         else:   # output fixes wait for the swap; the bias is read now, before the norm is replaced
             b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
             fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
     bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
-    return ExactResult(reference, fixes, bias=bias, added_biases=added)
+    return ExactResult(reference, fixes, inputs, bias=bias, added_biases=added)
 
 
 @register_method("exact")

@@ -11,8 +11,10 @@ through `model.get_submodule`, so a streaming applier can materialise just what 
 - Step("centre", target, group): make the target's outputs zero-mean over groups of `group` channels
   along its output dim (a layer's weight and bias, or a parameter's last dim);
 - Step("fold", target, norm): target.bias += W @ norm.bias;
+- Step("scale", target, norm): fold the per-channel scale `target` (LayerScale) into the layer `norm`
+  before it and set the scale to 1, so that layer can be centred;
 - Step("fix", target, norm, centre): after the swap, centre target's output and/or add norm's bias
-  after it (see `centring`).
+  after it (see `centring`); norm="input": centre target's first input instead (an "entry" source).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class NormPlan:
 
 @dataclass
 class Step:
-    op: str                # "centre" | "fold" | "fix"
+    op: str                # "centre" | "fold" | "scale" | "fix"
     target: str            # a module's (or, for "centre", a "param:"-prefixed parameter's) qualified name
     group: int = 0         # centre: group size along the output dim
     norm: str = ""         # fold/fix: the norm whose bias moves
@@ -89,6 +91,12 @@ def _source_reason(model: nn.Module, t: Trace, norm: str, label: str) -> str | N
         return _post_ln(t, name)
     if t.uses.get(label):
         return f"{name} writes the input of {norm} but its output is also read unnormalised by {_uses(t, label)}"
+    if name in t.scales:   # LayerScale: folded into the one layer it scales, which is then centred
+        labels, opaque = t.scales[name]
+        inner = next(iter(labels)) if len(labels) == 1 and not opaque else ""
+        if not inner.startswith("layer:") or t.uses.get(inner) or not _centrable(model.get_submodule(inner[6:])):
+            return f"{name} scales something other than one layer's output, so it cannot be folded and centred"
+        return None
     if kind == "layer" and not _centrable(model.get_submodule(name)):
         return f"{name} ({type(model.get_submodule(name)).__name__}) writes the input of {norm} and cannot be centred"
     return None
@@ -136,10 +144,18 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                 if name not in sites and not hasattr(model.get_submodule(name), "normswap_centre"):
                     steps.append(Step("fix", name, centre=True))
                 continue
+            if kind == "entry":   # an opaque sum entering a block: centred at the block's input
+                if not getattr(model.get_submodule(name), "normswap_centre_input", False):
+                    steps.append(Step("fix", name, centre=True, norm="input"))
+                continue
             layer = model.get_submodule(name) if kind == "layer" else None
             if isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre")):
                 if not hasattr(layer, "normswap_centre"):   # centred at lookup already (earlier pass)
                     steps.append(Step("fix", name, centre=True))
+                continue
+            if name in t.scales:
+                inner = next(iter(t.scales[name][0]))[6:]
+                steps += [Step("scale", name, norm=inner), Step("centre", inner, group=p.width)]
                 continue
             steps.append(Step("centre", label if kind == "param" else name, group=p.width))
     for p in norms.values():

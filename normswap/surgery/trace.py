@@ -25,7 +25,8 @@ from torch.overrides import TorchFunctionMode
 PASS = {"view", "reshape", "permute", "transpose", "contiguous", "to", "float", "half", "bfloat16", "double",
         "type", "type_as", "clone", "dropout", "expand", "expand_as", "flatten", "unflatten", "squeeze",
         "unsqueeze", "__getitem__", "detach", "view_as", "reshape_as", "movedim", "cat", "concat", "concatenate",
-        "stack", "requires_grad_", "narrow", "select", "index_select"}
+        "stack", "requires_grad_", "narrow", "select", "index_select", "split", "chunk", "unbind"}
+SLICE = {"__getitem__", "narrow", "select", "index_select", "split", "chunk", "unbind"}   # not of the hidden dim
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_"}
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
@@ -35,12 +36,13 @@ IGNORE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "ne
 
 @dataclass
 class Trace:
-    """What one forward showed. Labels are "layer:<name>", "norm:<name>", "param:<name>"."""
+    """What one forward showed. Labels are "layer:<name>", "norm:<name>", "param:<name>", "entry:<name>"."""
 
     norm_inputs: dict[str, tuple[frozenset, str | None]] = field(default_factory=dict)  # norm -> input
     readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))   # norm -> layers
     uses: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))        # label -> users
     fed_norms: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))   # label -> norms
+    scales: dict[str, tuple[frozenset, str | None]] = field(default_factory=dict)       # LayerScale -> input
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -102,6 +104,14 @@ class _Recorder(TorchFunctionMode):
         for o in outs:
             self.set(o, labels, opaque)
 
+    def entry(self, name: str, args, kwargs) -> None:
+        """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
+        "entry:<block>", centred by a pre-hook on the block if a norm reads it."""
+        x = next(iter(_tensors((args, kwargs))), None)
+        info = None if x is None else self.get(x)
+        if self.inside is None and info is not None and info[1] and x.dim() > 1:
+            self.set(x, frozenset({"entry:" + name}), None)
+
     # Leaf-module hooks.
     def pre(self, name: str, module: nn.Module, args, kwargs) -> None:
         x = next(iter(_tensors((args, kwargs))), None)
@@ -112,6 +122,8 @@ class _Recorder(TorchFunctionMode):
                 if not info[1]:
                     for label in info[0]:
                         self.trace.fed_norms[label].add(name)
+        elif info is not None and _is_scale(module, x):   # foldable into the layer before: not a use
+            self.trace.scales[name] = info
         elif info is not None and not info[1]:
             norm = next(iter(info[0]))[5:] if len(info[0]) == 1 and next(iter(info[0])).startswith("norm:") else None
             if norm is not None and x.shape[-1] == _in_width(module):
@@ -125,6 +137,13 @@ class _Recorder(TorchFunctionMode):
         first = next(iter(_tensors(out)), None)
         if first is not None:
             self.set(first, frozenset({("norm:" if name in self.norms else "layer:") + name}), None)
+
+
+def _is_scale(module: nn.Module, x: torch.Tensor) -> bool:
+    """A per-channel scale (LayerScale): one 1-D parameter as wide as its input, nothing else."""
+    params = list(module.parameters(recurse=False))
+    return (len(params) == 1 and params[0].dim() == 1 and params[0].shape[0] == x.shape[-1]
+            and not isinstance(module, (nn.Linear, nn.Embedding)))
 
 
 def _in_width(module: nn.Module) -> int:
@@ -150,7 +169,7 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
                 return f"{name} with an untracked tensor"
             if name != "stack" and dim in (-1, parts[0].dim() - 1):
                 return f"{name} along the hidden dim"
-        elif name in ("__getitem__", "narrow", "select", "index_select") and _last(outs[0]) != _last(ins[0][0]):
+        elif name in SLICE and any(_last(o) != _last(ins[0][0]) for o in outs):
             return f"slice of the hidden dim ({name})"
         return None
     if name in SUM:
@@ -175,7 +194,10 @@ def trace(model: nn.Module, inputs: dict, norms: set[str]) -> Trace:
     handles = []
     for name, module in model.named_modules():
         leaf = not any(True for _ in module.children())
-        if leaf and (name in norms or any(True for _ in module.parameters(recurse=False))):
+        if not leaf and name:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, n=name: rec.entry(n, a, k), with_kwargs=True))
+        elif leaf and (name in norms or any(True for _ in module.parameters(recurse=False))):
             handles.append(module.register_forward_pre_hook(
                 lambda m, a, k, n=name: rec.pre(n, m, a, k), with_kwargs=True))
             handles.append(module.register_forward_hook(lambda m, a, o, n=name: rec.post(n, m, o)))
