@@ -28,9 +28,10 @@ except ImportError:  # Windows: an O_EXCL lock file instead
 # What save_pretrained writes (config, weights, generation config, tokenizer files): a folder
 # holding anything else is not replaced without overwrite="any" (--overwrite-any).
 OURS = frozenset({
-    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model"})
+    "config.json", "generation_config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "spm.model"})
 SECTIONS = ("normswap", "normswap_heal")  # config.json keys only normswap writes
 ANY = "any"
 written: list[str] = []  # outputs this process has put in place (for truthful interrupt messages)
