@@ -114,6 +114,9 @@ def _lock(out: Path):
             os.close(fd)
             raise NormswapError(f"{out} is being written by another normswap process (pid {holder}): "
                                 "try again when it ends") from None
+        except OSError as e:  # a file system without locks (some network mounts)
+            os.close(fd)
+            raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
         try:  # the holder before us may have unlinked the file we locked: lock the current one
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 break
