@@ -40,13 +40,14 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
                   overwrite: bool = False, validate: bool = True,
                   external_data_bytes: int | None = None) -> ExportReport:
     """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
-    `external_data_bytes`), config.json, tokenizer files and generation_config.json (decoders).
+    `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
+    decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
 
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
     The folder appears (atomically) only once the export validated.
     """
     from normswap import export as ex
-    from normswap.export import wrap
+    from normswap.export import genai, wrap
     from normswap.io import atomic_dir
 
     opset = ex._check_args(target, opset)
@@ -64,6 +65,8 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
             _write_generation_config(model, tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if with_past:
+            genai.write(model, tmp, ONNX_NAME)
         report.files = sorted(p.name for p in tmp.iterdir())
     umask = os.umask(0)
     os.umask(umask)
