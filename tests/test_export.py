@@ -151,7 +151,8 @@ def test_fp16_large_activations_stay_finite(tmp_path, target):
     assert report.tolerance < 0.05 * max(r["ref_max"] for r in report.parity)
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     ids = np.arange(30)[None] % model.config.vocab_size
-    got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(30)[None]})[0]
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(30)[None]}
+    got = sess.run(None, feed)[0]
     ref = torch_out(model, ids, np.ones_like(ids), "logits")
     assert got.dtype == np.float16 and np.isfinite(got).all()
     assert np.abs(got.astype(np.float64) - ref).max() <= 0.02 * max(1.0, np.abs(ref).max())

@@ -39,6 +39,13 @@ def folder(tmp_path_factory):
     return model, json.loads(result.output), root / "onnx"
 
 
+def naive_positions(sess, feed, new=None):
+    """Positions counted from the first (padding) column: what a graph without position_ids amounts to."""
+    total, step = feed["attention_mask"].shape[1], feed["input_ids"].shape[1]
+    feed["position_ids"] = np.broadcast_to(np.arange(total - step, total), feed["input_ids"].shape).copy()
+    return feed
+
+
 def shapes(values) -> dict[str, list]:
     return {v.name: v.shape for v in values}
 
@@ -95,41 +102,10 @@ def test_left_padded_greedy_generation_equals_pytorch_row_by_row(folder):
     assert len({t for r in got for t in r.tolist()}) >= 5          # not one repeated token
 
     # The check can fail: positions counted from the padding (no position_ids from the mask) diverge.
-    def naive_positions(sess_, feed, new=None):
-        total = feed["attention_mask"].shape[1]
-        step = feed["input_ids"].shape[1]
-        feed["position_ids"] = np.broadcast_to(np.arange(total - step, total), feed["input_ids"].shape).copy()
-        return feed
-    real = validate.with_positions
-    validate.with_positions = naive_positions
-    try:
-        wrong = validate.ort_greedy(sess, model, ids.numpy(), n, np.float32, mask.numpy())[:, -n:]
-    finally:
-        validate.with_positions = real
+    wrong = validate.ort_greedy(sess, model, ids.numpy(), n, np.float32, mask.numpy(),
+                                positions=naive_positions)[:, -n:]
     assert np.array_equal(wrong[1], got[1])            # the longest prompt has no padding
     assert not np.array_equal(wrong[0], got[0]) or not np.array_equal(wrong[2], got[2])
-
-
-@torch.no_grad()
-def test_onnxruntime_genai_generates_like_pytorch(folder):
-    """genai's own generate loop on the folder (one prompt at a time: genai 0.18 counts positions from
-    the padding in a left-padded batch, like the naive positions above, so batches are not compared)."""
-    og = pytest.importorskip("onnxruntime_genai")
-    model, _, out = folder
-    genai_model = og.Model(str(out))
-    assert list(og.Tokenizer(genai_model).encode("Emma was")) == AutoTokenizer.from_pretrained(DEMO_DIR)("Emma was")[
-        "input_ids"]
-    for prompt in ([11, 57], [76, 90, 42, 43, 86, 88], [5, 17, 3, 42, 9]):
-        params = og.GeneratorParams(genai_model)
-        params.set_search_options(do_sample=False, max_length=len(prompt) + 16, min_length=len(prompt) + 16)
-        gen = og.Generator(genai_model, params)
-        gen.append_tokens(np.array([prompt], dtype=np.int32))
-        while not gen.is_done():
-            gen.generate_next_token()
-        ids = torch.tensor([prompt])
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                             min_new_tokens=16, pad_token_id=0)[0]
-        assert np.array(gen.get_sequence(0)).tolist() == ref.tolist(), prompt
 
 
 def test_position_ids_follow_hf():
@@ -190,3 +166,11 @@ def test_cli_existing_folder_kept_and_failed_export_leaves_nothing(tmp_path, mon
     assert result.exit_code == 1 and result.output.startswith("error: ORT output differs from PyTorch")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+def test_validation_catches_positions_counted_from_padding(tmp_path, monkeypatch):
+    """The issue's bug (a left-padded row generating differently) makes the export fail, writing nothing."""
+    monkeypatch.setattr(validate, "with_positions", naive_positions)
+    with pytest.raises(normswap.NormswapError, match=r"left-padded batch differs in rows \[0, 2\]"):
+        normswap.export_folder(talkative("gpt2"), tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []

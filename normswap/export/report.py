@@ -52,9 +52,9 @@ class ExportReport:
             lines.append(f"greedy generation, {g['new_tokens']} tokens: "
                          f"{'same tokens in ORT and PyTorch' if g['match'] else 'MISMATCH'}")
             if "padded_rows_match" in g:
-                ok = sum(g["padded_rows_match"])
-                lines.append(f"left-padded batch (prompt lengths {g['prompt_lengths']}): {ok}/{len(g['prompt_lengths'])} "
-                             f"rows equal PyTorch and the prompt alone")
+                ok, n = sum(g["padded_rows_match"]), len(g["prompt_lengths"])
+                lines.append(f"left-padded batch (prompt lengths {g['prompt_lengths']}): {ok}/{n} rows equal "
+                             "PyTorch and the prompt alone")
         if self.external_data:
             lines.append(f"weights stored as external data: {self.path}.data")
         if self.files:

@@ -100,7 +100,7 @@ def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -
 
 
 def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_dtype,
-               mask: np.ndarray | None = None) -> np.ndarray:
+               mask: np.ndarray | None = None, positions=None) -> np.ndarray:
     """Greedy decoding in ORT as optimum's ORTModelForCausalLM runs it: `present` fed back as the next
     step's past, the mask grown by one per step, position_ids from the mask (left padding allowed)."""
     tokens, step_ids = prompt, prompt
@@ -108,7 +108,8 @@ def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_d
     feed_past = empty_past(model, prompt.shape[0], np_dtype)
     names = list(feed_past)
     for _ in range(new_tokens):
-        feed = with_positions(sess, {"input_ids": step_ids, "attention_mask": mask}, step_ids.shape[1])
+        feed = (positions or with_positions)(sess, {"input_ids": step_ids, "attention_mask": mask},
+                                             step_ids.shape[1])
         outs = sess.run(None, {**feed, **feed_past})
         step_ids = outs[0][:, -1].argmax(-1)[:, None].astype(np.int64)
         feed_past = dict(zip(names, outs[1:]))
