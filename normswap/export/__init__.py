@@ -94,7 +94,7 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
 
     args, dyn = wrap.example(model, with_past)
     names_in, names_out = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
-                                        positions=wrap.is_decoder(model))
+                                        positions=wrap.takes_positions(model))
     with translate.lowered_norms(model), warnings.catch_warnings(), \
             contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")

@@ -20,13 +20,15 @@ def _token_id(value):
 
 
 def config(model: nn.Module, onnx_name: str) -> dict:
+    """genai_config.json's content for `model` exported with the past to `onnx_name`."""
     cfg, gen = model.config, getattr(model, "generation_config", None)
-    _, heads, _, head_dim = wrap.kv_shape(cfg, 1, 0)
+    _, heads, _, head_dim = wrap.kv_shape(model, 1, 0)
     layers = wrap.num_layers(cfg)
     attn_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
     hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
-    context = next(getattr(cfg, k) for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-                   if isinstance(getattr(cfg, k, None), int))
+    # genai sizes its buffers from context_length; ALiBi models (BLOOM) have no limit: take 2048
+    context = next((getattr(cfg, k) for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+                    if isinstance(getattr(cfg, k, None), int)), 2048)
 
     def token(name):
         value = getattr(gen, name, None) if gen is not None else None
@@ -44,7 +46,8 @@ def config(model: nn.Module, onnx_name: str) -> dict:
                 "head_size": head_dim,
                 "hidden_size": hidden,
                 "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "position_ids": "position_ids", "past_key_names": "past_key_values.%d.key",
+                           **({"position_ids": "position_ids"} if wrap.takes_positions(model) else {}),
+                           "past_key_names": "past_key_values.%d.key",
                            "past_value_names": "past_key_values.%d.value"},
                 "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                             "present_value_names": "present.%d.value"},

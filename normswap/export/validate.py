@@ -67,8 +67,8 @@ def random_inputs(model: nn.Module, batch: int, seq: int, seed: int = 0) -> dict
 
 def empty_past(model: nn.Module, batch: int, np_dtype) -> dict[str, np.ndarray]:
     names, _ = wrap.io_names(wrap.num_layers(model.config), True, "logits")
-    return {n: np.zeros(wrap.kv_shape(model.config, batch, 0), np_dtype) for n in names
-            if n.startswith("past_key_values.")}
+    shape = wrap.kv_shape(model, batch, 0)
+    return {n: np.zeros(shape, np_dtype) for n in names if n.startswith("past_key_values.")}
 
 
 def with_positions(sess, feed: dict[str, np.ndarray], new: int | None = None) -> dict[str, np.ndarray]:

@@ -7,6 +7,8 @@ DynamicCache inside forward, so no Cache object crosses the export boundary.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.export import Dim
@@ -18,6 +20,11 @@ def is_decoder(model: nn.Module) -> bool:
     return bool(can) and not getattr(model.config, "is_encoder_decoder", False)
 
 
+def takes_positions(model: nn.Module) -> bool:
+    """A decoder whose forward takes position_ids (BLOOM's ALiBi reads positions off the mask: no input)."""
+    return is_decoder(model) and "position_ids" in inspect.signature(model.forward).parameters
+
+
 def num_layers(config) -> int:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if isinstance(getattr(config, key, None), int):
@@ -25,14 +32,13 @@ def num_layers(config) -> int:
     raise ValueError("cannot tell the number of layers from the config")
 
 
-def kv_shape(config, batch: int, length: int) -> tuple[int, int, int, int]:
-    """(batch, kv heads, length, head dim) of one layer's cached keys."""
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None) \
-        or config.n_head
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    head_dim = getattr(config, "head_dim", None) or hidden // (getattr(config, "num_attention_heads", None)
-                                                               or config.n_head)
-    return batch, heads, length, head_dim
+@torch.no_grad()
+def kv_shape(model: nn.Module, batch: int, length: int) -> tuple[int, int, int, int]:
+    """(batch, kv heads, length, head dim) of one layer's cached keys, read off a 1-token forward: configs
+    name kv heads in too many ways (Falcon's multi_query keeps one)."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    keys = model(input_ids=ids, use_cache=True).past_key_values.layers[0].keys
+    return batch, keys.shape[1], length, keys.shape[3]
 
 
 def position_ids(attention_mask, length: int):
@@ -57,21 +63,24 @@ class Plain(nn.Module):
 
 
 class WithPast(nn.Module):
-    """(input_ids, attention_mask over past + new tokens, position_ids, k0, v0, k1, ...)
+    """(input_ids, attention_mask over past + new tokens, [position_ids,] k0, v0, k1, ...)
     -> (logits, k0', v0', ...)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
         self.layers = num_layers(model.config)
+        self.positions = takes_positions(model)
 
-    def forward(self, input_ids, attention_mask, position_ids, *past):
+    def forward(self, input_ids, attention_mask, *rest):
         from transformers import DynamicCache
 
+        positions, past = (rest[0], rest[1:]) if self.positions else (None, rest)
+        extra = {} if positions is None else {"position_ids": positions}
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+                         use_cache=True, **extra)
         present = []
         for i in range(self.layers):
             layer = out.past_key_values.layers[i]
@@ -80,7 +89,7 @@ class WithPast(nn.Module):
 
 
 def io_names(layers: int, with_past: bool, output: str, positions: bool = False) -> tuple[list[str], list[str]]:
-    inputs, outputs = ["input_ids", "attention_mask"] + (["position_ids"] if positions or with_past else []), [output]
+    inputs, outputs = ["input_ids", "attention_mask"] + ["position_ids"] * positions, [output]
     for i in range(layers if with_past else 0):
         inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
@@ -114,7 +123,7 @@ def name_axes(model, with_past: bool) -> None:
 
 def example(model: nn.Module, with_past: bool, batch: int = 2, seq: int = 5, past: int = 3):
     """(args, dynamic_shapes) to trace with; sizes > 1 so nothing is specialised to a constant.
-    Decoders get position_ids (with or without the past)."""
+    Decoders that take position_ids get them (with or without the past)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
@@ -122,13 +131,14 @@ def example(model: nn.Module, with_past: bool, batch: int = 2, seq: int = 5, pas
     mask = torch.ones(batch, total, dtype=torch.long, device=device)
     b, s = Dim("batch"), Dim("sequence")
     args, dyn = [ids, mask], [{0: b, 1: s}, {0: b, 1: Dim("total_sequence") if with_past else s}]
-    if is_decoder(model):
-        args.append(position_ids(mask, seq))
-        dyn.append({0: b, 1: s})
+    rest, rest_dyn = [], []   # WithPast's *rest: [position_ids,] k0, v0, ... (one argument to torch.export)
+    if takes_positions(model):
+        rest.append(position_ids(mask, seq))
+        rest_dyn.append({0: b, 1: s})
     if not with_past:
-        return tuple(args), tuple(dyn)
+        return tuple(args + rest), tuple(dyn + rest_dyn)
     p = Dim("past_sequence", min=0)
-    n = 2 * num_layers(model.config)  # torch.export sees *past as one tuple argument
-    args += [torch.zeros(kv_shape(model.config, batch, past), device=device, dtype=dtype) for _ in range(n)]
-    dyn.append(tuple({0: b, 2: p} for _ in range(n)))
-    return tuple(args), tuple(dyn)
+    n = 2 * num_layers(model.config)
+    rest += [torch.zeros(kv_shape(model, batch, past), device=device, dtype=dtype) for _ in range(n)]
+    rest_dyn += [{0: b, 2: p} for _ in range(n)]
+    return tuple(args + rest), tuple(dyn + [tuple(rest_dyn)])
