@@ -108,6 +108,28 @@ def test_left_padded_greedy_generation_equals_pytorch_row_by_row(folder):
     assert not np.array_equal(wrong[0], got[0]) or not np.array_equal(wrong[2], got[2])
 
 
+@torch.no_grad()
+def test_onnxruntime_genai_generates_like_pytorch(folder):
+    """genai's own generate loop on the folder (one prompt at a time: genai 0.18 counts positions from
+    the padding in a left-padded batch, like the naive positions above, so batches are not compared)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    model, _, out = folder
+    genai_model = og.Model(str(out))
+    assert list(og.Tokenizer(genai_model).encode("Emma was")) == AutoTokenizer.from_pretrained(DEMO_DIR)("Emma was")[
+        "input_ids"]
+    for prompt in ([11, 57], [76, 90, 42, 43, 86, 88], [5, 17, 3, 42, 9]):
+        params = og.GeneratorParams(genai_model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + 16, min_length=len(prompt) + 16)
+        gen = og.Generator(genai_model, params)
+        gen.append_tokens(np.array([prompt], dtype=np.int32))
+        while not gen.is_done():
+            gen.generate_next_token()
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                             min_new_tokens=16, pad_token_id=0)[0]
+        assert np.array(gen.get_sequence(0)).tolist() == ref.tolist(), prompt
+
+
 def test_position_ids_follow_hf():
     mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert wrap.position_ids(mask.copy(), 5).tolist() == [[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]]
