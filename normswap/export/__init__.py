@@ -35,8 +35,9 @@ TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
 FP32_TOL = 1e-4
 FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
+EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
 
-__all__ = ["export_onnx", "ExportReport", "TARGETS"]
+__all__ = ["export_onnx", "export_folder", "ExportReport", "TARGETS"]
 
 
 def _check_args(target: str, opset: int | None) -> int:
@@ -110,7 +111,8 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     from normswap.export import fuse, translate, wrap
 
     args, dyn = wrap.example(model, with_past)
-    names_in, names_out = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output)
+    names_in, names_out = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
+                                        positions=wrap.takes_positions(model))
     with translate.lowered_norms(model), warnings.catch_warnings(), \
             contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -131,24 +133,17 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     import onnxscript.optimizer
     onnxscript.optimizer.optimize_ir(prog.model)
     rewrites = fuse.fuse(prog.model, target)
+    wrap.name_axes(prog.model, with_past)
     return prog, rewrites
 
 
-def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
-                with_past: bool = False, opset: int | None = None, overwrite: bool = False,
-                validate: bool = True) -> ExportReport:
-    """Export a (converted) HF model to ONNX at `path` and validate it in onnxruntime.
+def _weight_bytes(model: nn.Module, fp16: bool) -> int:
+    return sum(p.numel() * (2 if fp16 and p.is_floating_point() else p.element_size()) for p in model.parameters())
 
-    target "ort": RMSNorm -> SimplifiedLayerNormalization, residual add + norm ->
-    com.microsoft.SkipSimplifiedLayerNormalization; "onnx23": standard opset-23 RMSNormalization.
-    fp16: fp16 weights/activations (norm statistics stay fp32). with_past: decoder with
-    past_key_values.{i}.key/value inputs and present.{i}.key/value outputs. The file appears only
-    once every check passed (validate=False skips the checks, not the atomic write).
-    """
-    opset = _check_args(target, opset)
-    path = Path(path).expanduser()
-    if not hasattr(model, "config"):
-        raise NormswapError("export_onnx needs a Hugging Face model (with .config)")
+
+def _build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
+           validate: bool, external_data_bytes: int) -> ExportReport:
+    """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`."""
     from normswap.export import wrap
     from normswap.export.validate import validate_export
 
@@ -161,20 +156,46 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
         if with_past and (output != "logits" or not wrap.is_decoder(reference)):
             raise NormswapError("--with-past needs a decoder-only language model (with logits and a KV cache)")
         wrapper = wrap.WithPast(work) if with_past else wrap.Plain(work, output)
-        report = ExportReport(str(path), target, opset, fp16, with_past, output, norms=count_norms(work))
-        tmp = _staging_dir(path, overwrite)
-        try:
-            prog, report.rewrites = _export(wrapper, work, with_past, output, target, opset)
-            prog.model.metadata_props.update({"normswap.target": target, "normswap.fp16": str(fp16)})
-            staged = tmp / path.name
-            prog.save(staged)
-            if validate:
-                validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
-            for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
-                os.replace(f, path.parent / f.name)
-            written.append(str(path))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        report = ExportReport(str(final), target, opset, fp16, with_past, output, norms=count_norms(work))
+        prog, report.rewrites = _export(wrapper, work, with_past, output, target, opset)
+        prog.model.metadata_props.update({"normswap.target": target, "normswap.fp16": str(fp16)})
+        # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
+        report.external_data = _weight_bytes(work, fp16) > external_data_bytes
+        prog.save(staged, external_data=report.external_data)
+        if validate:
+            validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
     finally:
         model.train(was_training)
     return report
+
+
+def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
+                with_past: bool = False, opset: int | None = None, overwrite: bool = False,
+                validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> ExportReport:
+    """Export a (converted) HF model to ONNX at `path` and validate it in onnxruntime.
+
+    target "ort": RMSNorm -> SimplifiedLayerNormalization, residual add + norm ->
+    com.microsoft.SkipSimplifiedLayerNormalization; "onnx23": standard opset-23 RMSNormalization.
+    fp16: fp16 weights/activations (norm statistics stay fp32). with_past: decoder with
+    past_key_values.{i}.key/value inputs and present.{i}.key/value outputs. Decoders also take
+    position_ids. Weights over `external_data_bytes` go to `<file>.data` beside it. The file appears
+    only once every check passed (validate=False skips the checks, not the atomic write).
+    See export_folder for a deployment folder (config, tokenizer, generation config beside it).
+    """
+    opset = _check_args(target, opset)
+    path = Path(path).expanduser()
+    if not hasattr(model, "config"):
+        raise NormswapError("export_onnx needs a Hugging Face model (with .config)")
+    tmp = _staging_dir(path, overwrite)
+    try:
+        staged = tmp / path.name
+        report = _build(model, staged, path, target, fp16, with_past, opset, validate, external_data_bytes)
+        for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
+            os.replace(f, path.parent / f.name)
+        written.append(str(path))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+from normswap.export.folder import export_folder  # noqa: E402  (uses _build above)

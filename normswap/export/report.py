@@ -19,6 +19,8 @@ class ExportReport:
     parity: list[dict] = field(default_factory=list)         # per (batch, seq): max_abs, ref_max, finite
     tolerance: float | None = None                           # on max_abs
     generation: dict | None = None                           # with_past: greedy tokens ORT vs PyTorch
+    external_data: bool = False                              # weights in <file>.data beside the graph
+    files: list[str] = field(default_factory=list)           # export_folder: what the folder holds
     latency_ms: float | None = None                          # ORT CPU, batch 1, 32 tokens, median
     validated: bool = False
 
@@ -49,6 +51,14 @@ class ExportReport:
             g = self.generation
             lines.append(f"greedy generation, {g['new_tokens']} tokens: "
                          f"{'same tokens in ORT and PyTorch' if g['match'] else 'MISMATCH'}")
+            if "padded_rows_match" in g:
+                ok, n = sum(g["padded_rows_match"]), len(g["prompt_lengths"])
+                lines.append(f"left-padded batch (prompt lengths {g['prompt_lengths']}): {ok}/{n} rows equal "
+                             "PyTorch and the prompt alone")
+        if self.external_data:
+            lines.append(f"weights stored as external data: {self.path}.data")
+        if self.files:
+            lines.append(f"folder: {', '.join(self.files)}")
         if self.latency_ms is not None:
             lines.append(f"ORT CPU latency (batch 1, 32 tokens): {self.latency_ms:.2f} ms")
         return "\n".join(lines)

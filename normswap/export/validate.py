@@ -1,6 +1,8 @@
 """Checks run on every exported file before it is moved into place: onnx.checker, ORT loads it on
 CPU, fused norm nodes in the ORT-optimised graph vs norms in the model, parity with PyTorch at two
-batch/sequence sizes, greedy generation with the past (with_past), and ORT latency."""
+batch/sequence sizes, greedy generation with the past (with_past: one prompt, and a left-padded batch
+of prompts of different lengths, each row equal to PyTorch and to the prompt run alone), and ORT
+latency."""
 from __future__ import annotations
 
 import statistics
@@ -19,6 +21,9 @@ from normswap.export import fuse, translate, wrap
 SIZES = ((1, 7), (3, 33))
 
 
+PADDED_PROMPTS = (3, 8, 5)   # prompt lengths of the left-padded generation batch
+
+
 def session(path: str | Path, level: str = "all", optimized_to: str | None = None,
             profile_prefix: str | None = None, threads: int = 0):
     import onnxruntime as ort
@@ -30,6 +35,9 @@ def session(path: str | Path, level: str = "all", optimized_to: str | None = Non
     opts.intra_op_num_threads = threads
     if optimized_to:
         opts.optimized_model_filepath = optimized_to
+        # A model with external data needs its optimised copy's weights outside too (2 GB limit).
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                      Path(optimized_to).name + ".data")
     if profile_prefix:
         opts.enable_profiling, opts.profile_file_prefix = True, profile_prefix
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
@@ -59,7 +67,16 @@ def random_inputs(model: nn.Module, batch: int, seq: int, seed: int = 0) -> dict
 
 def empty_past(model: nn.Module, batch: int, np_dtype) -> dict[str, np.ndarray]:
     names, _ = wrap.io_names(wrap.num_layers(model.config), True, "logits")
-    return {n: np.zeros(wrap.kv_shape(model.config, batch, 0), np_dtype) for n in names[2:]}
+    shape = wrap.kv_shape(model, batch, 0)
+    return {n: np.zeros(shape, np_dtype) for n in names if n.startswith("past_key_values.")}
+
+
+def with_positions(sess, feed: dict[str, np.ndarray], new: int | None = None) -> dict[str, np.ndarray]:
+    """Add HF's position_ids (from the attention mask, for the last `new` tokens) if the graph takes them."""
+    if any(i.name == "position_ids" for i in sess.get_inputs()):
+        mask = feed["attention_mask"]
+        feed["position_ids"] = wrap.position_ids(mask.copy(), mask.shape[1] if new is None else new)
+    return feed
 
 
 @torch.no_grad()
@@ -67,7 +84,7 @@ def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -
     """max |ORT - PyTorch| of the main output over unpadded positions, per (batch, seq)."""
     rows = []
     for batch, seq in SIZES:
-        feed = random_inputs(reference, batch, seq)
+        feed = with_positions(sess, random_inputs(reference, batch, seq))
         if with_past:
             feed.update(empty_past(reference, batch, np_dtype))
         got = sess.run([output], feed)[0].astype(np.float64)
@@ -82,36 +99,67 @@ def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -
     return rows
 
 
-def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_dtype) -> np.ndarray:
-    """Greedy decoding in ORT, feeding `present` back as the next step's past."""
+def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_dtype,
+               mask: np.ndarray | None = None, positions=None) -> np.ndarray:
+    """Greedy decoding in ORT as optimum's ORTModelForCausalLM runs it: `present` fed back as the next
+    step's past, the mask grown by one per step, position_ids from the mask (left padding allowed)."""
     tokens, step_ids = prompt, prompt
+    mask = np.ones(prompt.shape, np.int64) if mask is None else mask.astype(np.int64)
     feed_past = empty_past(model, prompt.shape[0], np_dtype)
     names = list(feed_past)
     for _ in range(new_tokens):
-        outs = sess.run(None, {"input_ids": step_ids, "attention_mask": np.ones(tokens.shape, np.int64),
-                               **feed_past})
+        feed = (positions or with_positions)(sess, {"input_ids": step_ids, "attention_mask": mask},
+                                             step_ids.shape[1])
+        outs = sess.run(None, {**feed, **feed_past})
         step_ids = outs[0][:, -1].argmax(-1)[:, None].astype(np.int64)
         feed_past = dict(zip(names, outs[1:]))
         tokens = np.concatenate([tokens, step_ids], axis=1)
+        mask = np.concatenate([mask, np.ones_like(step_ids)], axis=1)
     return tokens
+
+
+def torch_greedy(reference: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> np.ndarray:
+    dev = next(reference.parameters()).device
+    out = reference.generate(ids.to(dev), attention_mask=mask.to(dev), do_sample=False, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, pad_token_id=0)
+    return out.cpu().numpy()
+
+
+def left_padded(vocab: int, lengths=PADDED_PROMPTS, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths, left-padded with token 0: (input_ids, attention_mask)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids, mask = torch.zeros(len(lengths), width, dtype=torch.long), torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(1, vocab, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return ids, mask
 
 
 @torch.no_grad()
 def generation(sess, reference: nn.Module, np_dtype, new_tokens: int = 20) -> dict:
+    """Greedy tokens in ORT vs PyTorch: one prompt, then a left-padded batch (each row also run alone)."""
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, reference.config.vocab_size, (1, 5), generator=g)
-    on_dev = prompt.to(next(reference.parameters()).device)
-    ref = reference.generate(on_dev, attention_mask=torch.ones_like(on_dev), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0).cpu()
+    ref = torch_greedy(reference, prompt, torch.ones_like(prompt), new_tokens)
     got = ort_greedy(sess, reference, prompt.numpy(), new_tokens, np_dtype)
-    return {"new_tokens": new_tokens, "match": bool(np.array_equal(got, ref.numpy())),
-            "ort": got[0, 5:].tolist(), "torch": ref[0, 5:].tolist()}
+    ids, mask = left_padded(reference.config.vocab_size)
+    batch_ref = torch_greedy(reference, ids, mask, new_tokens)[:, -new_tokens:]
+    batch_got = ort_greedy(sess, reference, ids.numpy(), new_tokens, np_dtype, mask.numpy())[:, -new_tokens:]
+    alone = np.concatenate([ort_greedy(sess, reference, ids[r:r + 1, mask[r] == 1].numpy(), new_tokens, np_dtype)
+                            [:, -new_tokens:] for r in range(len(ids))])
+    rows = [bool(np.array_equal(batch_got[r], batch_ref[r]) and np.array_equal(batch_got[r], alone[r]))
+            for r in range(len(ids))]
+    return {"new_tokens": new_tokens, "match": bool(np.array_equal(got, ref) and all(rows)),
+            "ort": got[0, 5:].tolist(), "torch": ref[0, 5:].tolist(),
+            "padded_rows_match": rows, "prompt_lengths": [int(n) for n in mask.sum(1)]}
 
 
 def latency_ms(sess, model: nn.Module, with_past: bool, np_dtype, batch: int = 1, seq: int = 32,
                runs: int = 10) -> float:
     feed = random_inputs(model, batch, seq)
     feed["attention_mask"][:] = 1
+    with_positions(sess, feed)
     if with_past:
         feed.update(empty_past(model, batch, np_dtype))
     sess.run(None, feed)  # warm-up
@@ -151,8 +199,12 @@ def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32
                                 f"max |Δ| {r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
     if report.with_past:
         report.generation = generation(sess, reference, np_dtype)
-        if not report.generation["match"] and not fp16:
-            raise NormswapError(f"greedy generation differs: ORT {report.generation['ort']} vs PyTorch "
-                                f"{report.generation['torch']}")
+        gen = report.generation
+        if not gen["match"] and not fp16:
+            bad = [r for r, ok in enumerate(gen["padded_rows_match"]) if not ok]
+            raise NormswapError(f"greedy generation differs: ORT {gen['ort']} vs PyTorch {gen['torch']}" if not bad
+                                else f"greedy generation of a left-padded batch differs in rows {bad} "
+                                     f"(prompt lengths {gen['prompt_lengths']}) between ORT, PyTorch and "
+                                     f"each prompt alone")
     report.latency_ms = latency_ms(sess, reference, report.with_past, np_dtype)
     report.validated = True

@@ -1,10 +1,13 @@
 """Flat-tensor wrappers around HF models: what torch.onnx traces and what ONNX inputs/outputs are named.
 
-Names follow Optimum: input_ids, attention_mask, past_key_values.{i}.key/value -> logits (encoders:
-last_hidden_state), present.{i}.key/value. The past is passed as plain tensors and turned into a
-transformers DynamicCache inside forward, so no Cache object crosses the export boundary.
+Names and axis names follow Optimum's ORTModelForCausalLM: input_ids, attention_mask, position_ids
+(decoders), past_key_values.{i}.key/value -> logits (encoders: last_hidden_state),
+present.{i}.key/value. The past is passed as plain tensors and turned into a transformers
+DynamicCache inside forward, so no Cache object crosses the export boundary.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -17,6 +20,11 @@ def is_decoder(model: nn.Module) -> bool:
     return bool(can) and not getattr(model.config, "is_encoder_decoder", False)
 
 
+def takes_positions(model: nn.Module) -> bool:
+    """A decoder whose forward takes position_ids (BLOOM's ALiBi reads positions off the mask: no input)."""
+    return is_decoder(model) and "position_ids" in inspect.signature(model.forward).parameters
+
+
 def num_layers(config) -> int:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if isinstance(getattr(config, key, None), int):
@@ -24,43 +32,55 @@ def num_layers(config) -> int:
     raise ValueError("cannot tell the number of layers from the config")
 
 
-def kv_shape(config, batch: int, length: int) -> tuple[int, int, int, int]:
-    """(batch, kv heads, length, head dim) of one layer's cached keys."""
-    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None) \
-        or config.n_head
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    head_dim = getattr(config, "head_dim", None) or hidden // (getattr(config, "num_attention_heads", None)
-                                                               or config.n_head)
-    return batch, heads, length, head_dim
+@torch.no_grad()
+def kv_shape(model: nn.Module, batch: int, length: int) -> tuple[int, int, int, int]:
+    """(batch, kv heads, length, head dim) of one layer's cached keys, read off a 1-token forward: configs
+    name kv heads in too many ways (Falcon's multi_query keeps one)."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+    keys = model(input_ids=ids, use_cache=True).past_key_values.layers[0].keys
+    return batch, keys.shape[1], length, keys.shape[3]
+
+
+def position_ids(attention_mask, length: int):
+    """HF generate's positions for the last `length` tokens: cumsum(mask) - 1, 1 where padded.
+    Works on torch tensors and numpy arrays."""
+    pos = attention_mask.cumsum(-1) - 1
+    pos[attention_mask == 0] = 1
+    return pos[:, pos.shape[1] - length:]
 
 
 class Plain(nn.Module):
-    """(input_ids, attention_mask) -> logits or last_hidden_state."""
+    """(input_ids, attention_mask[, position_ids]) -> logits or last_hidden_state."""
 
     def __init__(self, model: nn.Module, output: str):
         super().__init__()
         self.model, self.output = model, output
 
-    def forward(self, input_ids, attention_mask):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    def forward(self, input_ids, attention_mask, position_ids=None):
+        extra = {} if position_ids is None else {"position_ids": position_ids}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         return getattr(out, self.output)
 
 
 class WithPast(nn.Module):
-    """(input_ids, attention_mask over past + new tokens, k0, v0, k1, ...) -> (logits, k0', v0', ...)."""
+    """(input_ids, attention_mask over past + new tokens, [position_ids,] k0, v0, k1, ...)
+    -> (logits, k0', v0', ...)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
         self.layers = num_layers(model.config)
+        self.positions = takes_positions(model)
 
-    def forward(self, input_ids, attention_mask, *past):
+    def forward(self, input_ids, attention_mask, *rest):
         from transformers import DynamicCache
 
+        positions, past = (rest[0], rest[1:]) if self.positions else (None, rest)
+        extra = {} if positions is None else {"position_ids": positions}
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                         use_cache=True)
+                         use_cache=True, **extra)
         present = []
         for i in range(self.layers):
             layer = out.past_key_values.layers[i]
@@ -68,27 +88,57 @@ class WithPast(nn.Module):
         return (out.logits, *present)
 
 
-def io_names(layers: int, with_past: bool, output: str) -> tuple[list[str], list[str]]:
-    inputs, outputs = ["input_ids", "attention_mask"], [output]
+def io_names(layers: int, with_past: bool, output: str, positions: bool = False) -> tuple[list[str], list[str]]:
+    inputs, outputs = ["input_ids", "attention_mask"] + ["position_ids"] * positions, [output]
     for i in range(layers if with_past else 0):
         inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         outputs += [f"present.{i}.key", f"present.{i}.value"]
     return inputs, outputs
 
 
+def axis_names(name: str, with_past: bool) -> dict[int, str]:
+    """Optimum's dynamic axis names for one input or output."""
+    total = "past_sequence_length + sequence_length"
+    if name.startswith("past_key_values."):
+        return {0: "batch_size", 2: "past_sequence_length"}
+    if name.startswith("present."):
+        return {0: "batch_size", 2: total}
+    if name == "attention_mask" and with_past:
+        return {0: "batch_size", 1: total}
+    return {0: "batch_size", 1: "sequence_length"}
+
+
+def name_axes(model, with_past: bool) -> None:
+    """Rename the exporter's symbolic dims (s0, s1...) on graph inputs/outputs (an onnx_ir Model)."""
+    import onnx_ir as ir
+
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        if value.shape is None:
+            continue
+        names = axis_names(value.name, with_past)
+        dims = [ir.SymbolicDim(names[i]) if i in names and not isinstance(d, int) else d
+                for i, d in enumerate(value.shape)]
+        value.shape = ir.Shape(dims)
+
+
 def example(model: nn.Module, with_past: bool, batch: int = 2, seq: int = 5, past: int = 3):
-    """(args, dynamic_shapes) to trace with; sizes > 1 so nothing is specialised to a constant."""
+    """(args, dynamic_shapes) to trace with; sizes > 1 so nothing is specialised to a constant.
+    Decoders that take position_ids get them (with or without the past)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
     total = seq + (past if with_past else 0)
     mask = torch.ones(batch, total, dtype=torch.long, device=device)
-    args = [ids, mask]
     b, s = Dim("batch"), Dim("sequence")
+    args, dyn = [ids, mask], [{0: b, 1: s}, {0: b, 1: Dim("total_sequence") if with_past else s}]
+    rest, rest_dyn = [], []   # WithPast's *rest: [position_ids,] k0, v0, ... (one argument to torch.export)
+    if takes_positions(model):
+        rest.append(position_ids(mask, seq))
+        rest_dyn.append({0: b, 1: s})
     if not with_past:
-        return tuple(args), ({0: b, 1: s}, {0: b, 1: s})
+        return tuple(args + rest), tuple(dyn + rest_dyn)
     p = Dim("past_sequence", min=0)
-    n = 2 * num_layers(model.config)  # torch.export sees *past as one tuple argument
-    args += [torch.zeros(kv_shape(model.config, batch, past), device=device, dtype=dtype) for _ in range(n)]
-    dyn = ({0: b, 1: s}, {0: b, 1: Dim("total_sequence")}, tuple({0: b, 2: p} for _ in range(n)))
-    return tuple(args), tuple(dyn)
+    n = 2 * num_layers(model.config)
+    rest += [torch.zeros(kv_shape(model, batch, past), device=device, dtype=dtype) for _ in range(n)]
+    rest_dyn += [{0: b, 2: p} for _ in range(n)]
+    return tuple(args + rest), tuple(dyn + [tuple(rest_dyn)])

@@ -1,0 +1,74 @@
+"""A deployment folder: model.onnx (+ model.onnx.data) with config, tokenizer and generation config
+beside it, the layout optimum's ORTModelForCausalLM / ORTModel.from_pretrained(DIR) loads."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.export.report import ExportReport
+
+ONNX_NAME = "model.onnx"
+
+
+def _write_config(model: nn.Module, out: Path, with_past: bool, fp16: bool) -> None:
+    """config.json of the exported graph: the architecture's own model_type (runtimes read it for the
+    KV-cache layout), no auto_map (no Python code runs here), use_cache = has a past."""
+    config = model.config.to_dict()
+    config.pop("auto_map", None)
+    config["use_cache"] = with_past
+    config["dtype"] = "float16" if fp16 else "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_generation_config(model: nn.Module, out: Path) -> bool:
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return False
+    try:
+        gen.save_pretrained(out)
+    except Exception as e:  # e.g. a config transformers' own validation rejects
+        raise NormswapError(f"cannot write generation_config.json: {str(e).splitlines()[0]}") from None
+    return True
+
+
+def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, target: str = "ort",
+                  fp16: bool = False, with_past: bool | None = None, opset: int | None = None,
+                  overwrite: bool = False, validate: bool = True,
+                  external_data_bytes: int | None = None) -> ExportReport:
+    """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
+    `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
+    decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
+
+    with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
+    The folder appears (atomically) only once the export validated.
+    """
+    from normswap import export as ex
+    from normswap.export import genai, wrap
+    from normswap.io import atomic_dir
+
+    opset = ex._check_args(target, opset)
+    if not hasattr(model, "config"):
+        raise NormswapError("export_folder needs a Hugging Face model (with .config)")
+    out = Path(out).expanduser()
+    decoder = wrap.is_decoder(model)
+    with_past = decoder if with_past is None else with_past
+    limit = ex.EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
+    with atomic_dir(out, overwrite) as tmp:
+        report = ex._build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
+                           limit)
+        _write_config(model, tmp, with_past, fp16)
+        if decoder:
+            _write_generation_config(model, tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if with_past:
+            genai.write(model, tmp, ONNX_NAME)
+        report.files = sorted(p.name for p in tmp.iterdir())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o777 & ~umask)  # mkdtemp made it 0700; a model folder is for sharing
+    return report

@@ -1,0 +1,70 @@
+"""genai_config.json: lets onnxruntime-genai's generate() loop run an exported decoder with the past.
+
+Our graph already has the I/O genai's generic "decoder" type reads (input_ids, attention_mask over past +
+new tokens, position_ids, past_key_values.%d.key/value -> logits, present.%d.key/value, cache in
+(batch, kv heads, length, head dim)), so the config only names them and copies the sizes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from torch import nn
+
+from normswap.export import wrap
+
+
+def _token_id(value):
+    """genai wants one int (eos may be a list in generation_config: genai takes a list there too)."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def config(model: nn.Module, onnx_name: str) -> dict:
+    """genai_config.json's content for `model` exported with the past to `onnx_name`."""
+    cfg, gen = model.config, getattr(model, "generation_config", None)
+    _, heads, _, head_dim = wrap.kv_shape(model, 1, 0)
+    layers = wrap.num_layers(cfg)
+    attn_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    # genai sizes its buffers from context_length; ALiBi models (BLOOM) have no limit: take 2048
+    context = next((getattr(cfg, k) for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+                    if isinstance(getattr(cfg, k, None), int)), 2048)
+
+    def token(name):
+        value = getattr(gen, name, None) if gen is not None else None
+        return _token_id(value if value is not None else getattr(cfg, name, None))
+
+    eos = token("eos_token_id")
+    pad = token("pad_token_id")
+    return {
+        "model": {
+            "bos_token_id": token("bos_token_id"),
+            "context_length": context,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": onnx_name,
+                "head_size": head_dim,
+                "hidden_size": hidden,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           **({"position_ids": "position_ids"} if wrap.takes_positions(model) else {}),
+                           "past_key_names": "past_key_values.%d.key",
+                           "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": attn_heads,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad if pad is not None else eos,
+            "type": "decoder",
+            "vocab_size": cfg.vocab_size,
+        },
+        "search": {"do_sample": False, "early_stopping": True, "max_length": context, "min_length": 0,
+                   "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+                   "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0},
+    }
+
+
+def write(model: nn.Module, out: Path, onnx_name: str) -> None:
+    (out / "genai_config.json").write_text(json.dumps(config(model, onnx_name), indent=2) + "\n")
