@@ -167,3 +167,13 @@ def test_inspect_shows_the_traced_plan(tmp_path):
     _bert().save_pretrained(tmp_path / "bert")
     shown = CliRunner().invoke(main, ["inspect", str(tmp_path / "bert")]).output
     assert "    not exact: embeddings.LayerNorm is post-LN" in shown
+
+
+@pytest.mark.parametrize("name", ["whisper", "clip"])
+def test_default_sample_inputs_drive_encoder_decoders_and_two_towers(name):
+    """No fed inputs: parity.sample_inputs builds input_features + decoder ids (Whisper) and token ids +
+    pixels (CLIPModel) from the signature, and the traced conversion is exact with them."""
+    model = _build(name)[0]
+    report = normswap.convert(model, method="exact")
+    assert report.method == "exact" and report.verification["max_rel"] <= 1e-5
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
