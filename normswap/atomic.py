@@ -31,7 +31,9 @@ OURS = frozenset({
     "config.json", "generation_config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-    "sentencepiece.bpe.model", "spm.model"})
+    "sentencepiece.bpe.model", "spm.model", "model.safetensors.index.json",
+    "model.onnx", "model.onnx.data", "genai_config.json"})
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 SECTIONS = ("normswap", "normswap_heal")  # config.json keys only normswap writes
 ANY = "any"
 written: list[str] = []  # outputs this process has put in place (for truthful interrupt messages)
@@ -64,6 +66,14 @@ def check_output(out, inputs=()) -> Path:
     return target
 
 
+def _onnx_folder(out: Path) -> bool:
+    """A deployment folder `normswap export -o` wrote (its graph carries normswap's metadata)."""
+    if not (out / "model.onnx").is_file():
+        return False
+    from normswap.export import _exported_by_us
+    return _exported_by_us(out / "model.onnx")
+
+
 def check_replaceable(out, overwrite) -> None:
     """Raise unless `out` may be (re)written: absent, or overwrite and it looks like normswap's output.
 
@@ -85,10 +95,10 @@ def check_replaceable(out, overwrite) -> None:
         config = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         config = None
-    if not isinstance(config, dict) or not any(k in config for k in SECTIONS):
+    if not isinstance(config, dict) or not (any(k in config for k in SECTIONS) or _onnx_folder(out)):
         raise NormswapError(f"{out} was not written by normswap (no config.json with a 'normswap' section): "
                             "pass --overwrite-any to replace it anyway")
-    foreign = [e for e in entries if e not in OURS or not (out / e).is_file()]
+    foreign = [e for e in entries if not (e in OURS or SHARD.fullmatch(e)) or not (out / e).is_file()]
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise NormswapError(f"{out} holds files normswap does not write ({', '.join(foreign[:3])}{more}): "

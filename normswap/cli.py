@@ -123,7 +123,7 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
     import normswap
     from normswap.atomic import check_output, check_replaceable
-    from normswap.parity import compare_to, reference_outputs
+    from normswap.parity import compare_to, reference_outputs, refuse_nonfinite
 
     overwrite = "any" if overwrite_any else overwrite
     inputs = [("SRC", src)] + [("--data", d) for d in data]
@@ -163,10 +163,7 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
     if parity is None:
         healed = heal_after_convert(model, original, tokenizer, texts, finetune_steps) if texts else None
         parity = compare_to(reference, model)
-        if parity.nonfinite:  # never save a model that gives NaN/inf
-            raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
-                                f"{parity.output} values on sample inputs (the original: {parity.ref_nonfinite}); "
-                                "nothing was saved")
+        refuse_nonfinite(parity)
         # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
         exported = normswap.export_onnx(model, onnx_path, overwrite=overwrite) if onnx_path else None
         normswap.save_pretrained(model, out, tokenizer=tokenizer, overwrite=overwrite,

@@ -170,6 +170,13 @@ def compare_to(reference: Reference, model: nn.Module) -> Parity:
                   reference.output, bad_ref, bad)
 
 
+def refuse_nonfinite(parity: Parity) -> None:
+    """Never save a model that gives NaN/inf: one line saying how many, on both sides."""
+    if parity.nonfinite:
+        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) {parity.output} "
+                            f"values on sample inputs (the original: {parity.ref_nonfinite}); nothing was saved")
+
+
 def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None) -> Parity:
     """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare."""
     return compare_to(reference_outputs(reference, inputs), model)

@@ -24,15 +24,19 @@ from torch import nn
 
 from normswap import shards
 from normswap.errors import NormswapError
-from normswap.parity import compare, sample_inputs
+from normswap.parity import compare, refuse_nonfinite, sample_inputs
 from normswap.surgery.methods import MethodResult, get_method
 
 ZERO_OK = "normswap_zero_ok"  # module attribute: params missing from the checkpoint start as zeros
 
 
 def streamable(src: str) -> bool:
-    """True for a local folder of plain (not yet converted) safetensors weights."""
+    """True for a local folder of plain (not yet converted) safetensors weights; not with
+    --allow-missing-weights (a missing tensor's random values exist only in memory)."""
+    from normswap.io import LOAD_POLICY
     path = Path(src).expanduser()
+    if LOAD_POLICY.allow_missing_weights:
+        return False
     if not (path.is_dir() and (path / "config.json").exists() and shards.has_weights(path)):
         return False
     from normswap.io import read_config
@@ -114,6 +118,23 @@ class Lazy:
                 module.register_forward_pre_hook(lambda m, a, n=name: self.load(model, n))
                 module.register_forward_hook(lambda m, a, o: self.free(m))
         return model
+
+
+def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
+    """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected."""
+    import re
+
+    from normswap.io import _check_weights as check
+    alias = shards.aliases(model)
+    params = [k for k, _ in model.named_parameters(remove_duplicate=False) if alias.get(k, k) == k]
+    state = model.state_dict(keep_vars=True)
+    missing = [k for k in params if lazy.key(k) is None]
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    known = set(lazy.names)
+    unexpected = [lazy.names.get(k, k) for k in known - set(state) if not any(p.search(k) for p in ignore)]
+    mismatched = [(k, lazy.reader.meta(lazy.key(k))[1], list(state[k].shape)) for k in params
+                  if lazy.key(k) is not None and list(lazy.reader.meta(lazy.key(k))[1]) != list(state[k].shape)]
+    check(str(src), sorted(missing), sorted(unexpected), mismatched, allow=False)
 
 
 def _lazy_plan(lazy: Lazy, inputs: dict):
@@ -351,6 +372,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(src)
     lazy = Lazy(model, shards.Reader(src))
+    _check_weights(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1)
     run = _method(method, plan_fn or _lazy_plan(lazy, _sample_inputs(model)[0]))
@@ -371,6 +393,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
 
     def check(tmp: Path) -> None:  # runs on the written folder before it replaces `out`
         parity["p"] = verify_lazy(src, tmp, stored, progress)
+        refuse_nonfinite(parity["p"])
         if report.method == "exact":
             tol = TOLERANCE.get(stored, 1e-4)
             enforce = to == "rmsnorm"

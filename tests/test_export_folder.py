@@ -183,8 +183,11 @@ def test_cli_existing_folder_kept_and_failed_export_leaves_nothing(tmp_path, mon
     result = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "-o", str(tmp_path / "out")])
     assert result.exit_code == 1 and result.output.strip() == f"error: {tmp_path / 'out'} exists: pass --overwrite " \
                                                               "to replace it"
-    monkeypatch.setattr("normswap.export.FP32_TOL", 0.0)   # validation now fails
     result = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--overwrite"])
+    assert result.exit_code == 1 and "was not written by normswap" in result.output  # keep.txt is not ours
+    monkeypatch.setattr("normswap.export.FP32_TOL", 0.0)   # validation now fails
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "src"), "-o", str(tmp_path / "out"),
+                                       "--overwrite-any"])
     assert result.exit_code == 1 and result.output.startswith("error: ORT output differs from PyTorch")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]

@@ -61,7 +61,7 @@ def test_ctrl_c_during_final_save_keeps_every_step_in_partial(saved, tok, tmp_pa
     teacher, student = normswap.load_model(str(saved / "orig"))[0], from_pretrained(saved / "conv")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text('{"mine": true}')
+    (out / "config.json").write_text('{"normswap_heal": {"mine": true}}')   # an earlier output of ours
     before, handler = _state(out), signal.getsignal(signal.SIGINT)
     report = heal(student, teacher, TRAIN, tokenizer=tok, steps=3, train="all", out=out, overwrite=True, **FAST)
     assert ctrl_c_on_first_save == ["out", "out.partial"]

@@ -30,17 +30,14 @@ def test_bad_eps_is_refused(cls, eps):
         cls(8, eps=eps)
 
 
-def test_convert_skips_a_layernorm_with_eps_zero_and_says_so():
-    """eps = 0 has no RMSNorm form that is finite on a zero row: the norm is kept as LayerNorm and listed as
-    skipped with the reason; the rest converts exactly (verified) and no RMSNorm gets eps 0."""
+def test_convert_refuses_a_layernorm_with_eps_zero_before_editing():
     model = tiny_model("gpt2")
     model.transformer.h[1].ln_2.eps = 0.0
-    report = normswap.convert(model, method="exact")
-    assert [s["name"] for s in report.skipped] == ["transformer.h.1.ln_2"]
-    assert "non-finite" in report.skipped[0]["reason"]
-    assert isinstance(model.transformer.h[1].ln_2, torch.nn.LayerNorm)
-    assert report.verification["max_rel"] <= 1e-4 and report.num_converted == 4
-    assert all(m.eps > 0 for m in model.modules() if isinstance(m, RMSNorm))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NormswapError, match=r"transformer\.h\.1\.ln_2: eps must be positive"):
+        normswap.convert(model, method="exact")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
 
 
 def test_partial_width_is_exact_ceil():

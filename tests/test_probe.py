@@ -12,6 +12,7 @@ from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
 
 import normswap
+from normswap.errors import NormswapError
 from normswap.norms import RMSNorm
 from normswap.surgery import find_norms
 
@@ -103,6 +104,11 @@ def test_naive_uses_effective_gain(case):
     """After the naive swap, the norm on zero-mean input is the fp64 LayerNorm minus its bias."""
     module, gain, _, eps = _cases()[case]
     model = nn.Sequential(module)
+    if eps == 0:   # probed fine, but RMSNorm needs eps > 0: refused by name, nothing converted
+        with pytest.raises(NormswapError, match="0: eps must be positive"):
+            normswap.convert(model, method="naive")
+        assert model[0] is module
+        return
     report = normswap.convert(model, method="naive")
     assert report.num_converted == 1
     new = model[0]
