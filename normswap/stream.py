@@ -221,14 +221,8 @@ class _StreamExact(MethodResult):
         self.edits, self.fixes, self.inputs = edits, fixes, inputs
 
     def after_swap(self, model: nn.Module, report) -> None:
-        from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
-        for name, (centre, bias) in self.fixes.items():
-            add_output_fix(model.get_submodule(name), centre, bias)
-        for name in self.inputs:
-            add_input_fix(model.get_submodule(name))
-        model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                                 **{n: describe_fix(model.get_submodule(n))
-                                                    for n in [*self.fixes, *self.inputs]}}
+        from normswap.surgery.exact import install_fixes
+        install_fixes(model, self.fixes, self.inputs)
 
 
 @torch.no_grad()

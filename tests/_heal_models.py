@@ -64,3 +64,17 @@ def bert(vocab: int, seed: int = 0) -> BertModel:
     model = BertModel(config, add_pooling_layer=False).eval()
     perturb_norms(model)
     return model
+
+
+def save_pair(d, tok, train_text: str):
+    """d/orig (a GPT-2 with perturbed norms), d/conv (its naive conversion), d/train.txt: heal's inputs."""
+    import copy
+
+    import normswap
+    teacher = gpt2(len(tok))
+    student = copy.deepcopy(teacher)
+    normswap.convert(student, method="naive")
+    normswap.save_pretrained(teacher, d / "orig", tokenizer=tok)
+    normswap.save_pretrained(student, d / "conv", tokenizer=tok)
+    (d / "train.txt").write_text(train_text)
+    return d

@@ -13,13 +13,6 @@ from conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("src") / "gpt2"
-    tiny_model("gpt2").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("src") / "llama"
     tiny_model("llama").save_pretrained(path)

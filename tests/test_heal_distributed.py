@@ -1,7 +1,6 @@
 """Healing on 2 CPU processes (Accelerate, gloo) follows the 1-process loss curve with the same global batch."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from _heal_models import gpt2, text, tokenizer
+from _heal_models import save_pair, text, tokenizer
 
 import normswap
 from normswap.io import from_pretrained
@@ -27,15 +26,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    tok = tokenizer()
-    teacher = gpt2(len(tok))
-    student = copy.deepcopy(teacher)
-    normswap.convert(student, method="naive")
-    d = tmp_path_factory.mktemp("dist")
-    normswap.save_pretrained(teacher, d / "orig", tokenizer=tok)
-    normswap.save_pretrained(student, d / "conv", tokenizer=tok)
-    (d / "train.txt").write_text(text(3000, seed=0))
-    return d
+    return save_pair(tmp_path_factory.mktemp("dist"), tokenizer(), text(3000, seed=0))
 
 
 def _heal(d, out, launcher: list[str]) -> dict:

@@ -1,7 +1,6 @@
 """heal: Ctrl-C during the final save keeps the finished steps; Ctrl-C during start-up is one line."""
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _heal_models import gpt2, text, tokenizer
+from _heal_models import save_pair, text, tokenizer
 from click.testing import CliRunner
 
 import normswap
@@ -29,14 +28,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def saved(tok, tmp_path_factory):
-    teacher = gpt2(len(tok))
-    student = copy.deepcopy(teacher)
-    normswap.convert(student, method="naive")
-    d = tmp_path_factory.mktemp("m")
-    normswap.save_pretrained(teacher, d / "orig", tokenizer=tok)
-    normswap.save_pretrained(student, d / "conv", tokenizer=tok)
-    (d / "train.txt").write_text(TRAIN[0])
-    return d
+    return save_pair(tmp_path_factory.mktemp("m"), tok, TRAIN[0])
 
 
 @pytest.fixture

@@ -24,13 +24,6 @@ from conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("src") / "gpt2"
-    tiny_model("gpt2").save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def converted():
     model = tiny_model("gpt2")
     normswap.convert(model, method="naive", to="rmsnorm")

@@ -168,6 +168,17 @@ def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
     return created
 
 
+def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
+    """After the swap: the output fixes (centre and/or bias after a module), the input fixes, recorded in
+    config.normswap so that loading re-applies them."""
+    for name, (centre, bias) in fixes.items():
+        add_output_fix(model.get_submodule(name), centre, bias)
+    for name in inputs:
+        add_input_fix(model.get_submodule(name))
+    model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
+                                             **{n: describe_fix(model.get_submodule(n)) for n in [*fixes, *inputs]}}
+
+
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` finishes and verifies the swapped model."""
 
@@ -176,13 +187,7 @@ class ExactResult(MethodResult):
         self.reference, self.fixes, self.inputs = reference, fixes, inputs
 
     def after_swap(self, model: nn.Module, report) -> None:
-        for name, (centre, bias) in self.fixes.items():
-            add_output_fix(model.get_submodule(name), centre, bias)
-        for name in self.inputs:
-            add_input_fix(model.get_submodule(name))
-        model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                                 **{n: describe_fix(model.get_submodule(n))
-                                                    for n in [*self.fixes, *self.inputs]}}
+        install_fixes(model, self.fixes, self.inputs)
         partial = any(isinstance(model.get_submodule(r.name), PartialRMSNorm) for r in report.converted)
         if partial:
             report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
