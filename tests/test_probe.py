@@ -12,6 +12,7 @@ from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
 
 import normswap
+from normswap import parity
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm
 from normswap.surgery import find_norms
@@ -189,6 +190,22 @@ def test_custom_layernorm_models_convert(family, cfg, cls, count):
         else:
             assert bool((gain == 1).all())
     assert not find_norms(model)[0]   # nothing left
+
+
+@pytest.mark.parametrize("family,cfg,cls", [
+    ("cohere", tf.CohereConfig, tf.CohereForCausalLM),        # a bias-less LayerNorm class, parallel blocks
+    ("olmo", tf.OlmoConfig, tf.OlmoForCausalLM),              # non-parametric LayerNorm
+    ("nemotron", tf.NemotronConfig, tf.NemotronForCausalLM),  # LayerNorm1P: gain weight + 1
+])
+def test_custom_layernorm_models_convert_exactly(family, cfg, cls):
+    """The traced exact conversion on the custom classes: logits kept to 1e-5 (fp64 comparison)."""
+    torch.manual_seed(0)
+    model = _perturbed_norms(cls(cfg(**TINY)).eval())
+    inputs = parity.sample_inputs(model)
+    reference = parity.reference_outputs(model, inputs)
+    report = normswap.convert(model, method="exact")
+    assert report.method == "exact" and not find_norms(model)[0]
+    assert parity.compare_to(reference, model).max_rel <= 1e-5
 
 
 def _perturbed_norms(model: nn.Module) -> nn.Module:
