@@ -145,7 +145,7 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
     if not texts and not onnx_path and device.type == "cpu" and stream.streamable(src):
         # a checkpoint folder: converted tensor by tensor, in bounded memory, verified before OUT appears
         report, parity = stream.convert_folder(src, out, to, method, p, dtype_name(dtype), overwrite,
-                                               max_shard_size, progress=not as_json)
+                                               max_shard_size)
     else:
         model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
         model.to(device)

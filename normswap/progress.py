@@ -20,16 +20,21 @@ def enabled() -> bool:
     return _enabled
 
 
-def bar(iterable=None, desc: str = "", total: int | None = None, unit: str = "it"):
-    """A tqdm bar on stderr with an ETA when progress is on, else the iterable itself."""
+def bar(iterable=None, desc: str = "", total: int | None = None, unit: str = "it", unit_scale: bool = False):
+    """A tqdm bar on stderr with an ETA when progress is on, else the iterable itself (or, for a manual
+    bar, a stand-in whose update/close do nothing)."""
     if not _enabled:
         return iterable if iterable is not None else _Null()
     from tqdm.auto import tqdm
-    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, file=sys.stderr, leave=False,
+                dynamic_ncols=True)
 
 
 class _Null(contextlib.nullcontext):
-    """Stands in for a manual bar (update/close) when progress is off."""
+    """Stands in for a manual bar (update/close) when progress is off; `with` yields the stand-in itself."""
+
+    def __enter__(self):
+        return self
 
     def update(self, n: int = 1) -> None:
         pass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
 from pathlib import Path
 
 from torch import nn
@@ -97,25 +96,13 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     return section
 
 
-def _safetensors_header(path: Path) -> bytes:
-    """The JSON header of a .safetensors file: every tensor's name, dtype, shape and offsets (cheap to read)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise NormswapError(f"{path} is not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise NormswapError(f"{path} is not a safetensors file (bad header)")
-        return f.read(n)
-
-
 def _sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _weights_headers(folder: Path) -> bytes:
     """The headers of a checkpoint's safetensors files (one file, or every shard of its index, by name)."""
-    from normswap.shards import INDEX, WEIGHTS
+    from normswap.shards import INDEX, WEIGHTS, raw_header
     folder = Path(folder)
     if (folder / INDEX).exists():
         try:
@@ -130,8 +117,8 @@ def _weights_headers(folder: Path) -> bytes:
                                 else f"{folder} has no {WEIGHTS}")
     # A single file hashes as its header alone (format-2 folders written before sharding stay valid).
     if files == [WEIGHTS]:
-        return _safetensors_header(folder / WEIGHTS)
-    return b"".join(name.encode() + b"\0" + _safetensors_header(folder / name) for name in files)
+        return raw_header(folder / WEIGHTS)
+    return b"".join(name.encode() + b"\0" + raw_header(folder / name) for name in files)
 
 
 def checksum(section: dict, folder: Path) -> dict:

@@ -100,16 +100,26 @@ class Reader:
         return sum(e[4] - e[3] for e in self.entries.values())
 
 
-def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header."""
+def raw_header(file: Path) -> bytes:
+    """The JSON header of a safetensors file, as stored (tensor names, dtypes, shapes, offsets)."""
     with open(file, "rb") as f:
         try:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > os.fstat(f.fileno()).st_size - 8:
-                raise ValueError("header larger than the file")
-            header = json.loads(f.read(n))
-        except (struct.error, ValueError):
+        except struct.error:
             raise NormswapError(f"{file} is not a safetensors file") from None
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise NormswapError(f"{file} is not a safetensors file")
+        return f.read(n)
+
+
+def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header."""
+    raw = raw_header(file)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise NormswapError(f"{file} is not a safetensors file") from None
+    n = len(raw)
     out = {}
     for key, info in header.items():
         if key == "__metadata__":

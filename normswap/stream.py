@@ -15,14 +15,13 @@ from the checkpoint just for their own forward (`_lazy_plan`): the same plan as 
 """
 from __future__ import annotations
 
-import sys
 import types
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from normswap import shards
+from normswap import progress, shards
 from normswap.errors import NormswapError
 from normswap.parity import compare, refuse_nonfinite, sample_inputs
 from normswap.surgery.methods import MethodResult, get_method
@@ -41,12 +40,6 @@ def streamable(src: str) -> bool:
         return False
     from normswap.io import read_config
     return not read_config(path).get("normswap")
-
-
-def _progress(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False,
-                disable=not enabled or not sys.stderr.isatty())
 
 
 def _trim() -> None:
@@ -328,7 +321,7 @@ def _sample_inputs(model: nn.Module) -> list[dict]:
     return sample_inputs(stand_in)
 
 
-def verify_lazy(src: Path, out: Path, dtype: torch.dtype, progress: bool = False):
+def verify_lazy(src: Path, out: Path, dtype: torch.dtype):
     """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
     from normswap.io import _base_config, apply_structure, read_config
     raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
@@ -338,7 +331,7 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, progress: bool = False
     reference = skeleton(src, None, dtype)
     inputs = _sample_inputs(reference)
     total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
-    with _progress(total, "verify", progress) as bar:
+    with progress.bar(total=total, desc="verify", unit="B", unit_scale=True) as bar:
         ref = Lazy(reference, shards.Reader(src), bar).attach(reference.float())
         new = Lazy(converted, shards.Reader(out), bar).attach(converted.float())
         return compare(ref, new, inputs)
@@ -346,8 +339,7 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, progress: bool = False
 
 def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
                    p: float | None = None, dtype: str | None = None, overwrite: bool = False,
-                   max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE, plan_fn=None,
-                   progress: bool = False):
+                   max_shard_size: int | str = shards.DEFAULT_MAX_SHARD_SIZE):
     """Convert the safetensors folder `src` into `out` in bounded memory; (report, parity).
 
     Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
@@ -369,7 +361,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     _check_weights(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1)
-    run = _method(method, plan_fn or _lazy_plan(lazy, _sample_inputs(model)[0]))
+    run = _method(method, _lazy_plan(lazy, _sample_inputs(model)[0]))
     holder: dict = {}
 
     def method_fn(m, sites):
@@ -386,7 +378,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     parity: dict = {}
 
     def check(tmp: Path) -> None:  # runs on the written folder before it replaces `out`
-        parity["p"] = verify_lazy(src, tmp, stored, progress)
+        parity["p"] = verify_lazy(src, tmp, stored)
         refuse_nonfinite(parity["p"])
         if report.method == "exact":
             tol = TOLERANCE.get(stored, 1e-4)
@@ -398,7 +390,8 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
                                     f"error {parity['p'].max_rel:.2e} > {tol:g} ({str(stored)[6:]}); "
                                     "nothing was saved")
 
-    with _progress(sum(shards.nbytes(s, d) for _, d, s in specs), "convert", progress) as bar:
+    total = sum(shards.nbytes(s, d) for _, d, s in specs)
+    with progress.bar(total=total, desc="convert", unit="B", unit_scale=True) as bar:
         lazy.bar = bar
         model._normswap_tensors = lambda specs: _edited_tensors(model, lazy, specs, edits)
         normswap.save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,

@@ -76,6 +76,8 @@ def test_progress_off_without_a_terminal(tmp_path):
     r = _run("convert", "normswap-demo", "--to", "rmsnorm", "-o", tmp_path / "o")
     assert r.exit_code == 0 and "\r" not in r.stderr  # CliRunner's stderr is not a TTY: no bars
     assert not progress.enabled()
+    with progress.bar(total=3, desc="x", unit="B", unit_scale=True) as manual:   # off: a do-nothing stand-in
+        manual.update(2)
     progress.enable(True)
     try:
         items = list(progress.bar(range(3), desc="x"))

@@ -91,11 +91,6 @@ def _checked_plan(model: nn.Module, sites: list[NormSite]) -> Plan:
     return p
 
 
-def exact_support(model: nn.Module, sites: list[NormSite]) -> str | None:
-    """None if the exact method applies to `sites` of `model`, else the reason it does not."""
-    return plan(model, sites).reason
-
-
 def _update(param: torch.Tensor, value: torch.Tensor) -> None:
     param.copy_(value.to(param.dtype))
 
