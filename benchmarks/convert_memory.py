@@ -8,7 +8,9 @@ conversion has real work to do. Each mode runs in a child process whose resident
 children) is polled every 20 ms:
   api    - normswap.load_model + normswap.convert(method="exact") + save_pretrained (in memory)
   stream - the CLI on the folder: `normswap convert SRC --to rmsnorm --method exact -o OUT` (streams)
-Prints one JSON line per mode: wall_s, peak_rss_gb, checkpoint_gb, ratio.
+Prints one JSON line per mode: wall_s, peak_rss_gb, baseline_gb (RSS once the libraries are imported,
+before any weight is read), checkpoint_gb, ratio (peak / checkpoint) and used_ratio ((peak - baseline) /
+checkpoint: the memory the conversion itself takes).
 """
 from __future__ import annotations
 
@@ -25,8 +27,13 @@ import torch
 
 SIZES = {"medium": dict(n_layer=24, n_embd=1024, n_head=16), "xl": dict(n_layer=48, n_embd=1600, n_head=25),
          "small": dict(n_layer=12, n_embd=768, n_head=12)}
-API = ("import sys, normswap; m, t = normswap.load_model(sys.argv[1]); normswap.convert(m, method='exact'); "
-       "normswap.save_pretrained(m, sys.argv[2], tokenizer=t)")
+# Each child prints its RSS once the libraries are imported, before any weight is read: `used` is the
+# peak above that (what converting costs, without the ~0.4 GB Python + torch + transformers take).
+BASELINE = ("import sys, psutil, normswap, normswap.stream, transformers.models.gpt2.modeling_gpt2; "
+            "print('BASELINE', psutil.Process().memory_info().rss, flush=True); ")
+API = BASELINE + ("m, t = normswap.load_model(sys.argv[1]); normswap.convert(m, method='exact'); "
+                  "normswap.save_pretrained(m, sys.argv[2], tokenizer=t)")
+CLI = BASELINE + "from normswap.cli import main; main(sys.argv[1:])"
 
 
 def build(size: str, path: Path) -> int:
@@ -58,8 +65,8 @@ def build(size: str, path: Path) -> int:
     return sum(shards.nbytes(s, d) for _, d, s in specs)
 
 
-def measure(cmd: list[str]) -> tuple[float, int, int]:
-    """(wall seconds, peak RSS of the process tree in bytes, return code)."""
+def measure(cmd: list[str]) -> tuple[float, int, int, int]:
+    """(wall seconds, peak RSS of the process tree in bytes, RSS after imports, return code)."""
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     root = psutil.Process(proc.pid)
@@ -74,7 +81,8 @@ def measure(cmd: list[str]) -> tuple[float, int, int]:
     out, err = proc.communicate()
     if proc.returncode:
         print(err[-2000:], file=sys.stderr)
-    return time.time() - start, peak, proc.returncode
+    base = next((int(line.split()[1]) for line in out.splitlines() if line.startswith("BASELINE")), 0)
+    return time.time() - start, peak, base, proc.returncode
 
 
 def main() -> None:
@@ -94,12 +102,13 @@ def main() -> None:
         out = args.work / f"out-{args.size}-{mode}"
         shutil.rmtree(out, ignore_errors=True)
         cmd = ([sys.executable, "-c", API, str(src), str(out)] if mode == "api" else
-               [sys.executable, "-m", "normswap", "convert", str(src), "--to", "rmsnorm", "--method", "exact",
-                "-o", str(out), "--max-shard-size", "2GB", "--json"])
-        wall, peak, rc = measure(cmd)
+               [sys.executable, "-c", CLI, "-q", "convert", str(src), "--to", "rmsnorm", "--method", "exact",
+                "-o", str(out), "--max-shard-size", "2GB"])
+        wall, peak, base, rc = measure(cmd)
         print(json.dumps({"size": args.size, "mode": mode, "ok": rc == 0, "wall_s": round(wall, 1),
-                          "peak_rss_gb": round(peak / 1e9, 3), "checkpoint_gb": round(size / 1e9, 3),
-                          "ratio": round(peak / size, 3)}), flush=True)
+                          "peak_rss_gb": round(peak / 1e9, 3), "baseline_gb": round(base / 1e9, 3),
+                          "checkpoint_gb": round(size / 1e9, 3), "ratio": round(peak / size, 3),
+                          "used_ratio": round((peak - base) / size, 3)}), flush=True)
         shutil.rmtree(out, ignore_errors=True)
 
 

@@ -332,8 +332,8 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype):
     inputs = _sample_inputs(reference)
     total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True) as bar:
-        ref = Lazy(reference, shards.Reader(src), bar).attach(reference.float())
-        new = Lazy(converted, shards.Reader(out), bar).attach(converted.float())
+        ref = Lazy(reference, shards.Reader(src, mapped=True), bar).attach(reference.float())
+        new = Lazy(converted, shards.Reader(out, mapped=True), bar).attach(converted.float())
         return compare(ref, new, inputs)
 
 
@@ -357,7 +357,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     if (src / "generation_config.json").exists():  # as from_pretrained does
         from transformers import GenerationConfig
         model.generation_config = GenerationConfig.from_pretrained(src)
-    lazy = Lazy(model, shards.Reader(src))
+    lazy = Lazy(model, shards.Reader(src, mapped=True))
     _check_weights(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1)

@@ -121,3 +121,38 @@ def test_cli_max_shard_size(tmp_path):
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm",
                                     "-o", str(tmp_path / "bad"), "--max-shard-size", "lots"])
     assert run.exit_code == 1 and "bad shard size" in run.output and not (tmp_path / "bad").exists()
+
+
+def test_mapped_reads_equal_copies_and_edits_never_reach_the_file(tmp_path):
+    tensors = {"a": torch.randn(300, 70), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(5).half()}
+    safetensors.torch.save_file(tensors, tmp_path / shards.WEIGHTS)
+    before = (tmp_path / shards.WEIGHTS).read_bytes()
+    mapped, copied = shards.Reader(tmp_path, mapped=True), shards.Reader(tmp_path)
+    for k, t in tensors.items():
+        m = mapped.get(k)
+        assert m.dtype == t.dtype and torch.equal(m, t) and torch.equal(copied.get(k), t), k
+        m.add_(1)   # copy-on-write: private to this tensor
+        assert torch.equal(m, t + 1)
+    assert (tmp_path / shards.WEIGHTS).read_bytes() == before
+    assert torch.equal(mapped.get("a"), tensors["a"])
+    with open(tmp_path / shards.WEIGHTS, "r+b") as f:   # cut inside tensor "c", the last one stored
+        f.truncate(len(before) - 4)
+    with pytest.raises(NormswapError, match="truncated"):
+        shards.Reader(tmp_path, mapped=True).get(max(tensors, key=lambda k: shards.Reader(tmp_path).entries[k][4]))
+
+
+def test_write_runs_the_producer_to_its_end(tmp_path):
+    """Code after the last yield (where streaming frees what it read) must run; extras are refused."""
+    done = []
+
+    def produce(extra=False):
+        yield torch.ones(3)
+        done.append(True)
+        if extra:
+            yield torch.ones(3)
+
+    specs = [("x", torch.float32, [3])]
+    shards.write(tmp_path, specs, produce())
+    assert done == [True]
+    with pytest.raises(NormswapError, match="more tensors than planned"):
+        shards.write(tmp_path, specs, produce(extra=True))

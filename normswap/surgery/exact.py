@@ -97,7 +97,7 @@ def _update(param: torch.Tensor, value: torch.Tensor) -> None:
 
 # fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the
 # size of the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's
-# largest mmap threshold (32 MB), so each is returned to the OS when freed; measured, 32 MB slices were
+# largest mmap threshold (32 MB), so each is returned to the OS when freed; measured, 16 and 32 MB slices were
 # kept on the heap and the process grew by ~250 MB anyway.
 _CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
 
