@@ -60,7 +60,10 @@ _TRIM = None
 
 
 class Lazy:
-    """Reads a module's own tensors from a checkpoint on demand and puts them back on meta."""
+    """Swaps a module's own tensors in from a checkpoint on demand, and back out to meta.
+
+    The values go into the model's existing tensor objects (`torch.utils.swap_tensors`), never into new
+    ones: tied weights stay tied, and whatever holds a parameter (the plan's trace) sees the real values."""
 
     def __init__(self, model: nn.Module, reader: shards.Reader, bar=None):
         self.reader, self.bar = reader, bar
@@ -69,23 +72,23 @@ class Lazy:
             self.groups.setdefault(first, []).append(name)
             self.groups[name] = self.groups[first]
         self.names = _checkpoint_names(model, reader.keys())
+        self.held: dict[int, list] = {}   # id(module) -> [(its tensor, the meta stand-in swapped out)]
 
     def key(self, name: str) -> str | None:
         return next((self.names[n] for n in self.groups.get(name, [name]) if n in self.names), None)
 
-    def load(self, model: nn.Module, module_name: str, min_dim: int = 0, max_dim: int = 99) -> None:
-        """Make `module_name`'s own params (and persistent buffers) of min_dim..max_dim dims real."""
+    def load(self, model: nn.Module, module_name: str, max_dim: int = 99, keep: bool = False) -> None:
+        """Make `module_name`'s own meta params (and persistent buffers) of up to max_dim dims real; `keep`:
+        for good (`free` leaves them)."""
         module = model.get_submodule(module_name)
         prefix = module_name + "." if module_name else ""
+        held = self.held.setdefault(id(module), [])
         for store in (module._parameters, module._buffers):
             for n, t in list(store.items()):
-                if t is None or not min_dim <= t.dim() <= max_dim or (store is module._buffers and not t.is_meta
-                                                       and n in module._non_persistent_buffers_set):
+                if t is None or not t.is_meta or t.dim() > max_dim:
                     continue
                 key = self.key(prefix + n)
                 if key is None:
-                    if not t.is_meta:
-                        continue  # a buffer the model initialises itself
                     if n not in getattr(module, ZERO_OK, ()):
                         raise NormswapError(f"{prefix + n} is not in the checkpoint")
                     value = torch.zeros(t.shape, dtype=t.dtype)
@@ -93,24 +96,34 @@ class Lazy:
                     value = self.reader.get(key).to(t.dtype)
                     if self.bar is not None:
                         self.bar.update(value.numel() * value.element_size())
-                store[n] = nn.Parameter(value, requires_grad=False) if store is module._parameters else value
+                real = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
+                torch.utils.swap_tensors(t, real)   # `real` now holds the meta stand-in
+                if not keep:
+                    held.append((t, real))
 
-    @staticmethod
-    def free(module: nn.Module, min_dim: int = 0) -> None:
-        for n, t in list(module._parameters.items()):
-            if t is not None and t.dim() >= min_dim and not t.is_meta:
-                module._parameters[n] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device="meta"),
-                                                     requires_grad=False)
-        _trim()
+    def free(self, module: nn.Module, min_dim: int = 0) -> None:
+        """Put what `load` made real in `module` (of min_dim dims or more) back on meta."""
+        held = self.held.pop(id(module), [])
+        for t, meta in held:
+            if t.dim() >= min_dim:
+                torch.utils.swap_tensors(t, meta)
+        rest = [(t, m) for t, m in held if t.dim() < min_dim]
+        if rest:
+            self.held[id(module)] = rest
 
+    def free_all(self) -> None:   # after a forward that failed midway
+        for t, meta in (pair for pairs in self.held.values() for pair in pairs):
+            torch.utils.swap_tensors(t, meta)
+        self.held.clear()
 
-    def attach(self, model: nn.Module) -> nn.Module:
-        """Hooks that load each module's tensors before its forward and drop them after it."""
+    def attach(self, model: nn.Module) -> list:
+        """Hooks that load each module's tensors before its forward and free them after it; the handles."""
+        handles = []
         for name, module in model.named_modules():
             if module._parameters:
-                module.register_forward_pre_hook(lambda m, a, n=name: self.load(model, n))
-                module.register_forward_hook(lambda m, a, o: self.free(m))
-        return model
+                handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.load(model, n)))
+                handles.append(module.register_forward_hook(lambda m, a, o: self.free(m)))
+        return handles
 
 
 def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
@@ -132,41 +145,17 @@ def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
 
 def _lazy_plan(lazy: Lazy, inputs: dict):
     """`exact.plan` on the meta model: its one traced forward reads each module's weights just before the
-    module runs and puts them back on meta after it. The weights are swapped into the same Parameter
-    objects (never new ones), so tied weights stay tied and the plan sees the model as it is."""
+    module runs and puts them back on meta after it."""
     from normswap.surgery.exact import plan as exact_plan
 
     def plan_fn(model: nn.Module, sites):
-        held: dict[int, list] = {}
-
-        def load(module, args, name):
-            prefix = name + "." if name else ""
-            held[id(module)] = []
-            for n, t in module._parameters.items():
-                key = lazy.key(prefix + n) if t is not None and t.is_meta else None
-                if key is not None:
-                    real = nn.Parameter(lazy.reader.get(key).to(t.dtype), requires_grad=False)
-                    torch.utils.swap_tensors(t, real)   # `real` now holds the meta tensor
-                    held[id(module)].append((t, real))
-
-        def drop(module, args, output):
-            for t, meta in held.pop(id(module), []):
-                torch.utils.swap_tensors(t, meta)
-
-        handles = []
-        for name, module in model.named_modules():
-            if module._parameters:
-                handles.append(module.register_forward_pre_hook(lambda m, a, n=name: load(m, a, n)))
-                handles.append(module.register_forward_hook(drop))
+        handles = lazy.attach(model)
         try:
             return exact_plan(model, sites, inputs)
         finally:
             for h in handles:
                 h.remove()
-            for module_id in list(held):   # a forward that failed midway
-                for t, meta in held.pop(module_id):
-                    torch.utils.swap_tensors(t, meta)
-            _trim()
+            lazy.free_all()
     return plan_fn
 
 
@@ -311,6 +300,7 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                 left[owner] -= 1
                 if not left[owner]:
                     lazy.free(module, min_dim=2)
+                    _trim()   # the edits' float64 temporaries
 
 
 def _sample_inputs(model: nn.Module) -> list[dict]:
@@ -332,9 +322,9 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype):
     inputs = _sample_inputs(reference)
     total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True) as bar:
-        ref = Lazy(reference, shards.Reader(src, mapped=True), bar).attach(reference.float())
-        new = Lazy(converted, shards.Reader(out, mapped=True), bar).attach(converted.float())
-        return compare(ref, new, inputs)
+        for model, folder in ((reference, src), (converted, out)):
+            Lazy(model, shards.Reader(folder, mapped=True), bar).attach(model.float())
+        return compare(reference, converted, inputs)
 
 
 def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
@@ -360,7 +350,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     lazy = Lazy(model, shards.Reader(src, mapped=True))
     _check_weights(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
-        lazy.load(model, name, max_dim=1)
+        lazy.load(model, name, max_dim=1, keep=True)
     run = _method(method, _lazy_plan(lazy, _sample_inputs(model)[0]))
     holder: dict = {}
 
