@@ -39,9 +39,14 @@ def one(folders):
     return _heal(folders, folders / "one", [sys.executable])
 
 
-def _heal(d, out, launcher: list[str]) -> dict:
+@pytest.fixture(scope="module")
+def one_norms(folders):
+    return _heal(folders, folders / "one-norms", [sys.executable], train="norms")
+
+
+def _heal(d, out, launcher: list[str], train: str = "all") -> dict:
     args = ["-m", "normswap", "heal", d / "conv", "--teacher", d / "orig", "--data", d / "train.txt",
-            "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--train", "all", "-o", out, "--json"]
+            "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--train", train, "-o", out, "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([*launcher, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -70,26 +75,29 @@ def test_two_processes_follow_the_one_process_curve(folders, one, tmp_path):
 
 
 @pytest.mark.skipif(ACCELERATE is None, reason="accelerate CLI not installed")
-def test_fsdp_shards_and_follows_the_one_process_curve(folders, one, tmp_path):
+@pytest.mark.parametrize("train", ["all", "norms"])  # norms: frozen parameters inside the FSDP units
+def test_fsdp_shards_and_follows_the_one_process_curve(folders, train, request, tmp_path):
+    one = request.getfixturevalue("one" if train == "all" else "one_norms")
     launch = [ACCELERATE, "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "2",
               "--main_process_port", str(_free_port())]
-    two = _heal(folders, tmp_path / "fsdp", launch)
+    two = _heal(folders, tmp_path / "fsdp", launch, train)
     # sharded for real (not Accelerate's silent DDP on CPU): the 2 GPT-2 blocks and the root, all DTensors
     assert (two["parallel"], two["processes"], two["fsdp_units"]) == ("fsdp", 2, 3), two
     assert two["steps_done"] == 6 and two["trainable"] == one["trainable"]
     a, b = torch.tensor(one["losses"], dtype=torch.float64), torch.tensor(two["losses"], dtype=torch.float64)
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (a, b)
-    sa, sb = from_pretrained(folders / "one").state_dict(), from_pretrained(tmp_path / "fsdp").state_dict()
+    d1, d2 = folders / ("one" if train == "all" else "one-norms"), tmp_path / "fsdp"
+    sa, sb = from_pretrained(d1).state_dict(), from_pretrained(d2).state_dict()
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6), (k, (sa[k] - sb[k]).abs().max())
     # the same folder as a 1-process heal: files, config (normswap sections included), tensor layout
-    d1, d2 = folders / "one", tmp_path / "fsdp"
     assert sorted(p.name for p in d1.iterdir()) == sorted(p.name for p in d2.iterdir())
     assert json.loads((d1 / "config.json").read_text()) == json.loads((d2 / "config.json").read_text())
     assert raw_header(d1 / "model.safetensors") == raw_header(d2 / "model.safetensors")
-    assert not torch.equal(sb["transformer.h.0.attn.c_attn.weight"],
-                           from_pretrained(folders / "conv").state_dict()["transformer.h.0.attn.c_attn.weight"])
+    conv = from_pretrained(folders / "conv").state_dict()
+    changed = {k for k in sb if not torch.equal(sb[k], conv[k])}  # it trained, and only what it was asked to
+    assert changed == ({k for k in sb if ".ln_" in k} if train == "norms" else set(sb)), changed
 
 
 def _heal_batch(d, out):
