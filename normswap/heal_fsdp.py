@@ -26,6 +26,8 @@ def requested(accelerator, fsdp: bool | None) -> bool:
     """fsdp=None follows the launcher: an FSDP config / `accelerate launch --use_fsdp` (on CPU Accelerate
     reports MULTI_CPU, so its environment variable is what says FSDP was asked for)."""
     from accelerate.utils import DistributedType
+    if fsdp is False and accelerator.distributed_type == DistributedType.FSDP:  # prepare() would wrap it in FSDP
+        raise NormswapError("fsdp=False under an FSDP launch: launch with DDP (accelerate launch --multi_gpu)")
     if fsdp is None:
         fsdp = (accelerator.distributed_type == DistributedType.FSDP
                 or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
@@ -53,7 +55,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
         for p in m._parameters.values():
             if p is not None:
                 users[id(p)].add(id(m))
-    return [b for b in found if all(users[id(p)] <= {id(s) for s in b.modules()} for p in b.parameters())]
+
+    def alone(b):  # no parameter of b is used outside b
+        inside = {id(s) for s in b.modules()}
+        return all(users[id(p)] <= inside for p in b.parameters())
+    return [b for b in found if alone(b)]
 
 
 def shard(student: nn.Module, device: torch.device) -> tuple[nn.Module, int]:
