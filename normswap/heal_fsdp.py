@@ -68,6 +68,9 @@ def shard(student: nn.Module, device: torch.device) -> tuple[nn.Module, int]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
+    if any(p.is_meta for p in student.parameters()):  # transformers loads so on ranks > 0 when asked to
+        raise NormswapError("FSDP: the student has no weights on this process: set fsdp_cpu_ram_efficient_loading "
+                            "to false in the accelerate config")
     alias = {id(t): (nn.Parameter(t.detach(), t.requires_grad) if isinstance(t, nn.Parameter) else t.detach())
              for t in [*student.parameters(), *student.buffers()]}
     model = copy.deepcopy(student, alias)  # same ids -> same alias: tied weights stay tied in the copy
