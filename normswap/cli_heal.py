@@ -77,18 +77,20 @@ def read_finetune_data(steps: int, data) -> list[str] | None:
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Default: 1e-2 (norms), 3e-4 (all).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--fsdp", is_flag=True, default=None,
+              help="Shard the model over the processes (FSDP2); implied by an FSDP accelerate config.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @dtype_option
 @device_option
 @load_options
 @click.pass_context
 def heal(ctx, src, teacher_src, data, steps, out, overwrite, overwrite_any, train, objective, seq_len, batch_size, lr, seed,
-         as_json, dtype, device):
+         fsdp, as_json, dtype, device):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
     Under `accelerate launch` the processes (and their devices) are Accelerate's; --device cpu keeps
-    them on the CPU (gloo).
+    them on the CPU (gloo); an FSDP config (examples/accelerate_fsdp.yaml) shards the model over them.
     """
     from normswap.atomic import check_output, check_replaceable
     from normswap.heal import heal as run_heal
@@ -109,7 +111,7 @@ def heal(ctx, src, teacher_src, data, steps, out, overwrite, overwrite_any, trai
     report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
                       objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
                       overwrite=overwrite, progress=not as_json and ctx.obj["verbosity"] >= 0,
-                      cpu=device.type == "cpu")
+                      cpu=device.type == "cpu", fsdp=fsdp)
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return

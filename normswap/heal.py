@@ -4,7 +4,8 @@ Loss: KL(teacher || student) on token distributions for models with logits, MSE 
 for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
 under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over processes (GPUs, or
 CPU processes over gloo): `batch_size` is the global batch, split evenly, so the loss curve does not depend
-on the number of processes.
+on the number of processes. With FSDP requested (an FSDP launch config, or fsdp=True) the student's parameters
+are sharded over the processes with FSDP2 (see heal_fsdp.py); the teacher stays a full copy per process.
 
 Interruption (Ctrl-C, or KeyboardInterrupt from `callback`): training stops at a step boundary and the
 model of the completed steps is saved to `<out>.partial` (config.json `normswap_heal.interrupted`); `out`
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from normswap import heal_fsdp
 from normswap.atomic import check_replaceable
 from normswap.errors import NormswapError
 from normswap.io import is_causal_lm
@@ -50,6 +52,9 @@ class HealReport:
     loss_first: float | None   # loss of the first step
     loss_last: float | None    # mean loss of the last 10 steps
     seconds: float
+    parallel: str = "none"     # none, ddp or fsdp
+    processes: int = 1
+    fsdp_units: int = 0        # FSDP-sharded modules (transformer blocks + the root)
     interrupted: bool = False
     save_interrupted: bool = False   # Ctrl-C came during the final save: the work went to OUT.partial
     saved_to: str | None = None
@@ -62,6 +67,7 @@ class HealReport:
     def __str__(self) -> str:
         s = (f"healed {self.steps_done}/{self.steps} steps ({self.train}, {self.trainable:,} params, "
              f"{self.objective}) in {self.seconds:.1f}s: loss {self.loss_first:.4g} -> {self.loss_last:.4g}")
+        s += f" (FSDP over {self.processes} processes)" if self.parallel == "fsdp" else ""
         return s + (f"; saved to {self.saved_to}" if self.saved_to else "")
 
 
@@ -147,14 +153,14 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
          lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
          batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
          progress: bool = True, callback: Callable[[int, float], None] | None = None,
-         cpu: bool | None = None) -> HealReport:
+         cpu: bool | None = None, fsdp: bool | None = None) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
     exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
     step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
-    the module docstring.
+    the module docstring. fsdp: shard the student over the processes (None: when the launch asked for FSDP).
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -174,9 +180,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
     # distribution at all.
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu)
-    from accelerate.utils import DistributedType
-    if accelerator.distributed_type == DistributedType.FSDP:  # its sharded parameters would need another save
-        raise NormswapError("heal does not support FSDP yet: launch with DDP (accelerate launch --multi_gpu)")
+    sharded = heal_fsdp.requested(accelerator, fsdp)
     ranks, rank = accelerator.num_processes, accelerator.process_index
     if batch_size % ranks:
         raise NormswapError(f"batch_size {batch_size} is the global batch: it must be divisible by the "
@@ -196,13 +200,16 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
         p.requires_grad_(False)
     for p in chosen.values():
         p.requires_grad_(True)
-    params = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
+    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
     student.eval()  # no dropout: match the teacher's deterministic function
+    # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
+    model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    if not sharded:
+        model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
     # global batch split over processes would decay the learning rate N times too fast.
-    model, optimizer = accelerator.prepare(student, optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
     if teacher is not None:
         teacher.eval().to(accelerator.device)
 
@@ -246,15 +253,24 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
         bar.close()
         if main_thread:
             signal.signal(signal.SIGINT, old_handler)
-        student = accelerator.unwrap_model(model)
+        student = student if sharded else accelerator.unwrap_model(model)
         for n, p in student.named_parameters():
             p.requires_grad_(grad_before[n])
         student.to(dtype)
+    # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before heal). A
+    # collective, so Ctrl-C is held off: one process leaving it early would hang the others.
+    if sharded and not stop["torn"]:
+        held = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            heal_fsdp.gather_into(model, student)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, held)
 
-    report = HealReport(int(steps), len(losses), train, objective, sum(p.numel() for p in params), lr, seq_len,
-                        batch_size, seed, losses[0] if losses else None,
-                        sum(losses[-10:]) / len(losses[-10:]) if losses else None,
-                        time.perf_counter() - start, interrupted=len(losses) < int(steps), losses=losses)
+    report = HealReport(int(steps), len(losses), train, objective, trainable, lr, seq_len, batch_size, seed,
+                        losses[0] if losses else None, sum(losses[-10:]) / len(losses[-10:]) if losses else None,
+                        time.perf_counter() - start, "fsdp" if sharded else "ddp" if ranks > 1 else "none", ranks,
+                        units, interrupted=len(losses) < int(steps), losses=losses)
     if out is not None and not stop["torn"] and losses:
         if accelerator.is_main_process:
             _save_keeping_work(student, tokenizer, out, overwrite, report, main_thread)
