@@ -225,11 +225,21 @@ def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
 def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size."""
     specs = saved_specs(model)
+    check_space(out, sum(nbytes(s, d) for _, d, s in specs))
     produce = getattr(model, "_normswap_tensors", None)  # set by `stream`: tensors computed as written
     if produce is not None:
         return write(out, specs, produce(specs), max_shard_size)
     state = model.state_dict()
     return write(out, specs, (state[k] for k, _, _ in specs), max_shard_size)
+
+
+def check_space(out: str | Path, needed: int) -> None:
+    """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on."""
+    import shutil
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {needed / 1e9:.2f} GB, "
+                            f"{free / 1e9:.2f} GB are free; nothing was written")
 
 
 def load_model(model: nn.Module, path: str | Path) -> None:

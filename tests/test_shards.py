@@ -156,3 +156,17 @@ def test_write_runs_the_producer_to_its_end(tmp_path):
     assert done == [True]
     with pytest.raises(NormswapError, match="more tensors than planned"):
         shards.write(tmp_path, specs, produce(extra=True))
+
+
+def test_too_little_disk_space_is_refused_before_writing(tmp_path, monkeypatch):
+    import collections
+    import shutil
+    model = tiny_model("gpt2")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(NormswapError, match="not enough disk space.*nothing was written"):
+        normswap.save_pretrained(model, tmp_path / "out", overwrite="any")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]   # no temp folder left behind
