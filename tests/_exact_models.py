@@ -37,6 +37,10 @@ FAMILIES = {
                                                       parallel_attn=False, alibi=True, bias=True),
                                 tf.FalconForCausalLM),
     "gptj": (tf.GPTJConfig, dict(n_layer=L, n_embd=D, n_head=4, rotary_dim=4, n_positions=64), tf.GPTJForCausalLM),
+    # seq2seq; positions read inputs_embeds[..., -1] for its shape; shared, tied embeddings
+    "mbart": (tf.MBartConfig, dict(d_model=D, encoder_layers=L, decoder_layers=L, encoder_attention_heads=4,
+                                   decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                   max_position_embeddings=64), tf.MBartForConditionalGeneration),
     "codegen": (tf.CodeGenConfig, dict(n_layer=L, n_embd=D, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64),
                 tf.CodeGenForCausalLM),
 }

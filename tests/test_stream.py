@@ -40,6 +40,7 @@ def _same_tensors(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("fam,dtype,method", [("gpt2", torch.float32, "exact"), ("opt-project", torch.float32, "auto"),
                                               ("bloom", torch.float16, "exact"),
                                               ("gpt_neox-parallel", torch.float32, "exact"),
+                                              ("mbart", torch.float32, "exact"),
                                               ("gpt2", torch.bfloat16, "naive")])
 def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype, method):
     from normswap.surgery import exact

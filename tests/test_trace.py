@@ -47,6 +47,11 @@ MODELS = {
     "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
         text_config=dict(vocab_size=V, hidden_size=D, max_position_embeddings=64, **LAYERS),
         vision_config=VISION, projection_dim=16)), {"input_ids": _ids(), "pixel_values": PIXELS}),
+    # BART-style: embed_positions(inputs_embeds[..., -1]) reads the embedding only for its shape
+    "mbart": (lambda: tf.MBartForConditionalGeneration(tf.MBartConfig(
+        vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
+        {"input_ids": _ids(), "decoder_input_ids": _ids(5)}),
     "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
         vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
@@ -149,6 +154,39 @@ def test_refused_from_the_graph_with_the_norm_named(make, reason):
     with pytest.raises(NormswapError, match=reason):
         normswap.convert(model, method="exact")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # untouched
+
+
+class _Positions(nn.Embedding):
+    """Reads its input for the shape only, as BART's learned positions do."""
+
+    def forward(self, x):
+        return super().forward(torch.arange(x.shape[-1]))
+
+
+class _SliceToy(nn.Module):
+    def __init__(self, read_values: bool):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(V, D), _Positions(64, D)
+        self.norm, self.head, self.read_values = nn.LayerNorm(D), nn.Linear(D, V), read_values
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        last = x[..., -1]                       # drops the hidden dim
+        x = x + self.pos(last)
+        y = self.head(self.norm(x))
+        return y * last.unsqueeze(-1) if self.read_values else y   # its values: a use of emb's output
+
+
+@pytest.mark.parametrize("read_values", [False, True])
+def test_a_hidden_dim_slice_is_a_use_only_when_its_values_are_read(read_values):
+    torch.manual_seed(0)
+    model = perturb(_SliceToy(read_values)).eval()
+    p = exact.plan(model, find_norms(model)[0], {"input_ids": _ids()})
+    if read_values:
+        assert "emb writes the input of norm but its output is also read unnormalised by operation " \
+               "'__getitem__'" in p.reason
+    else:
+        assert p.reason is None and sorted(p.norms["norm"].sources) == ["layer:emb", "layer:pos"]
 
 
 def test_inspect_shows_the_traced_plan(tmp_path):

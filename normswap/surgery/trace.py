@@ -9,6 +9,10 @@ zero-mean along the hidden dim if it was. Anything else makes it opaque; the fir
 a pure tensor is recorded as a *use* of its labels. A leaf module reading a pure tensor is a use too,
 except a norm (it removes the mean) and a layer reading exactly one norm's output (a *reader*).
 
+A slice that drops the hidden dim (BART's `embed_positions(inputs_embeds[..., -1])`, "just for the
+shape") is a use only once its values are read: a later call that takes it, inside a leaf module or not,
+other than for its shape, dtype or device.
+
 A TorchFunctionMode sees the torch calls made outside leaf modules; forward hooks label leaf outputs and
 hide the calls made inside them. Cost: one forward on a small input; tensors are kept alive (so their
 ids stay unique) only for that forward.
@@ -29,6 +33,7 @@ PASS = {"view", "reshape", "permute", "transpose", "contiguous", "to", "float", 
 SLICE = {"__getitem__", "narrow", "select", "index_select", "split", "chunk", "unbind"}   # not of the hidden dim
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_"}
+HIDDEN_SLICE = "slice of the hidden dim"
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
 IGNORE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
           "new_full", "new_tensor", "size", "dim", "numel", "is_floating_point", "__len__", "get_device"}
@@ -63,6 +68,7 @@ class _Recorder(TorchFunctionMode):
         self.params = {id(p): n for n, p in model.named_parameters()}
         self.norms = norms
         self.inside: str | None = None   # the leaf module running now: its inner calls are hidden
+        self.pending: dict[int, tuple[torch.Tensor, frozenset, str]] = {}   # slices not read yet: id -> use
 
     def get(self, x: torch.Tensor):
         held = self.info.get(id(x))
@@ -83,9 +89,19 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
+        if self.pending and name not in IGNORE and (name != "__get__" or _tensors(out)):  # values read
+            for x in _tensors((args, kwargs)):
+                self.read(x)
         if self.inside is None and name not in IGNORE:
             self.record(name, args, kwargs, out)
         return out
+
+    def read(self, x: torch.Tensor) -> None:
+        """x's values are read: a pending slice becomes a use."""
+        held = self.pending.get(id(x))
+        if held is not None and held[0] is x:
+            del self.pending[id(x)]
+            self.use(held[1], held[2])
 
     def record(self, name: str, args, kwargs, out) -> None:
         outs = _tensors(out)
@@ -97,7 +113,9 @@ class _Recorder(TorchFunctionMode):
         opaque = next((i[1] for _, i in tracked if i[1]), None)
         if opaque is None:
             opaque = _why_not_pure(name, args, kwargs, ins, outs)
-            if opaque is not None:
+            if opaque is not None and opaque.startswith(HIDDEN_SLICE):   # a use once read (see above)
+                self.pending.update((id(o), (o, labels, f"operation '{name}'")) for o in outs)
+            elif opaque is not None:
                 self.use(labels, f"operation '{name}'")
         else:
             self.use(frozenset().union(*(i[0] for _, i in tracked if not i[1])), f"operation '{name}'")
@@ -170,7 +188,7 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
             if name != "stack" and dim in (-1, parts[0].dim() - 1):
                 return f"{name} along the hidden dim"
         elif name in SLICE and any(_last(o) != _last(ins[0][0]) for o in outs):
-            return f"slice of the hidden dim ({name})"
+            return f"{HIDDEN_SLICE} ({name})"
         return None
     if name in SUM:
         if any(i is None for _, i in ins) or any(isinstance(a, (int, float)) and a for a in args):
@@ -206,7 +224,9 @@ def trace(model: nn.Module, inputs: dict, norms: set[str]) -> Trace:
         model.eval()
         with rec:
             out = model(**inputs)
-        info = rec.get(main_output(out)[1])
+        main = main_output(out)[1]
+        rec.read(main)
+        info = rec.get(main)
         if info is not None and not info[1]:
             rec.use(info[0], "the model output")
     finally:
@@ -214,4 +234,5 @@ def trace(model: nn.Module, inputs: dict, norms: set[str]) -> Trace:
         for h in handles:
             h.remove()
         rec.info.clear()
+        rec.pending.clear()
     return rec.trace
