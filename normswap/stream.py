@@ -8,7 +8,8 @@
    weights are read, edited by the in-memory code (`exact._centre_step`, `exact._fold`), written and
    put back on meta; other tensors are copied through. Peak: a few of the largest tensors.
 3. Verification runs the original folder and the written one on the sample inputs through lazy models:
-   each module's tensors are read just before its forward and dropped after it (`Lazy`).
+   each module's tensors are mapped from the file (copy-on-write) just before its forward and dropped
+   after it (`Lazy`).
 
 The plan is `exact.plan`'s, from one traced forward of the meta model whose modules read their weights
 from the checkpoint just for their own forward (`_lazy_plan`): the same plan as in memory, in bounded memory.
