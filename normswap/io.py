@@ -20,7 +20,8 @@ import torch
 import transformers
 from torch import nn
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
-                          AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, AutoTokenizer)
+                          AutoModelForCTC, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq,
+                          AutoTokenizer)
 
 from normswap import schema
 from normswap.atomic import atomic_dir  # noqa: F401  (re-exported: io.atomic_dir)
@@ -57,12 +58,12 @@ def is_causal_lm(model_or_config) -> bool:
 
 def auto_class(config):
     """The Auto class that loads config.architectures' head: causal LM, (speech) seq2seq, image
-    classifier; AutoModel (no head) otherwise."""
+    classifier, CTC; AutoModel (no head) otherwise."""
     if is_causal_lm(config):
         return AutoModelForCausalLM
     names = list(getattr(config, "architectures", None) or [])
     candidates = {"ForConditionalGeneration": (AutoModelForSpeechSeq2Seq, AutoModelForSeq2SeqLM),
-                  "ForImageClassification": (AutoModelForImageClassification,)}
+                  "ForImageClassification": (AutoModelForImageClassification,), "ForCTC": (AutoModelForCTC,)}
     for suffix, classes in candidates.items():
         if any(n.endswith(suffix) for n in names):
             for cls in classes:

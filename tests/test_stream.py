@@ -125,3 +125,24 @@ def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
     peak = int(run.stdout.split()[-1])
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 5
     assert peak < size / 2, (peak, size)
+
+
+def test_cli_streams_a_speech_model_with_its_ctc_head(tmp_path):
+    """wav2vec2 (stable layer norm): sample waveforms from the config, the CTC head loaded (AutoModelForCTC),
+    and the streamed folder bit-identical to the in-memory conversion."""
+    import transformers as tf
+    from click.testing import CliRunner
+    from normswap.cli import main
+    from test_trace import _wav2vec2
+    torch.manual_seed(0)
+    perturb(tf.Wav2Vec2ForCTC(_wav2vec2(do_stable_layer_norm=True))).save_pretrained(tmp_path / "src")
+    result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "exact",
+                                       "-o", str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["report"]["verification"]["max_rel"] <= 1e-5 and out["parity"]["max_rel"] <= 1e-5
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    assert type(model).__name__ == "Wav2Vec2ForCTC"
+    normswap.convert(model, method="exact")
+    normswap.save_pretrained(model, tmp_path / "mem")
+    _same_tensors(tmp_path / "out", tmp_path / "mem")

@@ -26,6 +26,12 @@ def _ids(n: int = 9, seed: int = 1) -> torch.Tensor:
 
 PIXELS = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
 
+def _wav2vec2(**kw):
+    return tf.Wav2Vec2Config(vocab_size=32, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                             num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, **kw)
+
+
 MODELS = {
     "gpt_bigcode": (lambda: tf.GPTBigCodeForCausalLM(tf.GPTBigCodeConfig(vocab_size=V, n_embd=D, n_layer=2,
                                                                          n_head=4, n_positions=64)),
@@ -52,6 +58,15 @@ MODELS = {
         vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)),
         {"input_ids": _ids(), "decoder_input_ids": _ids(5)}),
+    "speech2text": (lambda: tf.Speech2TextForConditionalGeneration(tf.Speech2TextConfig(
+        vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=64,
+        max_target_positions=32, input_feat_per_channel=8, num_conv_layers=2, conv_channels=16,
+        conv_kernel_sizes=[5, 5], input_channels=1)),
+        {"input_features": torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(3)),
+         "decoder_input_ids": _ids(5)}),
+    "wav2vec2-stable": (lambda: tf.Wav2Vec2ForCTC(_wav2vec2(do_stable_layer_norm=True, feat_extract_norm="layer")),
+                        {"input_values": torch.randn(2, 400, generator=torch.Generator().manual_seed(3))}),
     "whisper": (lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
         vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
@@ -147,6 +162,7 @@ def _bert():
                                                 apply_residual_connection_post_layernorm=True)),
      "h.0.input_layernorm is post-LN"),
     (lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**VISION)), "model output is the unnormalised residual stream"),
+    (lambda: tf.Wav2Vec2ForCTC(_wav2vec2(do_stable_layer_norm=False)), "wav2vec2.encoder.layer_norm is post-LN"),
 ])
 def test_refused_from_the_graph_with_the_norm_named(make, reason):
     model = perturb(make()).eval()
@@ -207,10 +223,11 @@ def test_inspect_shows_the_traced_plan(tmp_path):
     assert "    not exact: embeddings.LayerNorm is post-LN" in shown
 
 
-@pytest.mark.parametrize("name", ["whisper", "clip"])
+@pytest.mark.parametrize("name", ["whisper", "clip", "mbart", "speech2text", "wav2vec2-stable"])
 def test_default_sample_inputs_drive_encoder_decoders_and_two_towers(name):
-    """No fed inputs: parity.sample_inputs builds input_features + decoder ids (Whisper) and token ids +
-    pixels (CLIPModel) from the signature, and the traced conversion is exact with them."""
+    """No fed inputs: parity.sample_inputs builds input_features + decoder ids (Whisper, Speech2Text), token
+    ids + pixels (CLIPModel), token + decoder ids (mBART) and a waveform (wav2vec2) from the signature and
+    config, and the traced conversion is exact with them."""
     model = _build(name)[0]
     report = normswap.convert(model, method="exact")
     assert report.method == "exact" and report.verification["max_rel"] <= 1e-5
