@@ -146,3 +146,34 @@ def test_cli_streams_a_speech_model_with_its_ctc_head(tmp_path):
     normswap.convert(model, method="exact")
     normswap.save_pretrained(model, tmp_path / "mem")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
+
+
+def _audio(cls_cfg, **kw):
+    import transformers as tf
+    return getattr(tf, cls_cfg)(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, **kw)
+
+
+@pytest.mark.parametrize("make,method", [
+    # the plan's trace keeps a view of pos_bias_u/v (`module.pos_bias_u[None, :, None, :]`) alive
+    (lambda tf: tf.Wav2Vec2ConformerForCTC(_audio("Wav2Vec2ConformerConfig", position_embeddings_type="relative")),
+     "exact"),
+    # WavLM's attention passes q/k/v_proj.weight to F.multi_head_attention_forward without calling them
+    (lambda tf: tf.WavLMForCTC(_audio("WavLMConfig", do_stable_layer_norm=True, feat_extract_norm="layer",
+                                      num_buckets=16, max_bucket_distance=20)), "naive"),
+])
+def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
+    """Streaming converts what the in-memory path converts, bit for bit, also when a module's weights are read
+    without its forward running, or a view of one outlives its forward."""
+    import transformers as tf
+    torch.manual_seed(0)
+    perturb(make(tf)).save_pretrained(tmp_path / "src")
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    mem = normswap.convert(model, method=method)
+    normswap.save_pretrained(model, tmp_path / "mem")
+    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method)
+    assert report.method == mem.method == method
+    _same_tensors(tmp_path / "out", tmp_path / "mem")
+    if method == "exact":
+        assert parity.max_rel <= 1e-5
