@@ -27,7 +27,7 @@ from normswap import progress, shards
 from normswap.errors import NormswapError
 from normswap.parity import compare, refuse_nonfinite, sample_inputs
 from normswap.surgery.methods import MethodResult, get_method
-from normswap.surgery.trace import _tensors
+from normswap.surgery.trace import IGNORE, _tensors
 
 ZERO_OK = "normswap_zero_ok"  # module attribute: params missing from the checkpoint start as zeros
 
@@ -183,10 +183,20 @@ class _OnUse(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = _tensors((args, kwargs))
-        if any(x.is_meta for x in tensors):
-            for lazy in self.lazies:
-                lazy.use(tensors)
+        if not any(x.is_meta for x in tensors) or getattr(func, "__name__", "") in IGNORE:
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__":   # .dtype, .shape, .device: no values needed
+            if getattr(func, "__self__", None) is torch.Tensor.device and self.owned(tensors):
+                return torch.device("cpu")   # where its values are: code builds tensors on it (WavLM's positions)
+            out = func(*args, **kwargs)
+            if not _tensors(out):
+                return out
+        for lazy in self.lazies:
+            lazy.use(tensors)
         return func(*args, **kwargs)
+
+    def owned(self, tensors) -> bool:
+        return any(x.is_meta and id(x) in lazy.owner for x in tensors for lazy in self.lazies)
 
 
 def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
