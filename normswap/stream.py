@@ -199,6 +199,26 @@ class _OnUse(TorchFunctionMode):
         return any(x.is_meta and id(x) in lazy.owner for x in tensors for lazy in self.lazies)
 
 
+class NotStreamable(NormswapError):
+    """The folder converts, but not in bounded memory: the caller loads it in memory instead."""
+
+
+def _check_ties(lazy: Lazy, src: Path) -> None:
+    """A tied tensor stored under two names with different values: transformers unties them when loading (the
+    model's head is then the stored lm_head, not the embedding), which a model built tied cannot follow."""
+    seen = set()
+    for group in lazy.groups.values():
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        keys = list(dict.fromkeys(lazy.names[n] for n in group if n in lazy.names))
+        first = lazy.reader.get(keys[0]) if len(keys) > 1 else None
+        for key in keys[1:]:
+            if not torch.equal(first, lazy.reader.get(key)):
+                raise NotStreamable(f"{src} stores the tied tensors {keys[0]} and {key} with different values "
+                                    "(transformers unties them)")
+
+
 def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
     """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected."""
     import re
@@ -426,6 +446,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         model.generation_config = GenerationConfig.from_pretrained(src)
     lazy = Lazy(model, shards.Reader(src, mapped=True))
     _check_weights(model, lazy, src)
+    _check_ties(lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
     run = _method(method, _lazy_plan(lazy, _sample_inputs(model)[0]))

@@ -182,3 +182,23 @@ def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
     assert parity.max_abs == pytest.approx(expected.max_abs, rel=1e-6, abs=1e-9)
     if method == "exact":
         assert parity.max_rel <= 1e-5
+
+
+def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
+    """config ties lm_head to wte, but the file holds both, different: transformers unties them (the head is
+    the stored lm_head). Streaming built the tied model, used wte as the head, and its verification (against
+    the same tied model) passed: the written model's logits were not the original's."""
+    from safetensors.torch import load_file, save_file
+    from normswap.cli import main
+    _save_family("gpt2", tmp_path / "src", shard="1GB")
+    state = load_file(tmp_path / "src" / shards.WEIGHTS)
+    state["lm_head.weight"] = state["transformer.wte.weight"] * 2
+    save_file(state, tmp_path / "src" / shards.WEIGHTS, metadata={"format": "pt"})
+    original, _ = normswap.load_model(str(tmp_path / "src"))
+    assert original.lm_head.weight is not original.transformer.wte.weight   # what transformers does
+    with pytest.raises(stream.NotStreamable, match="lm_head.weight with different values"):
+        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
+    assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
+    assert compare(original, normswap.from_pretrained(tmp_path / "out")).max_rel < 1e-4
