@@ -159,6 +159,10 @@ def _audio(cls_cfg, **kw):
     # the plan's trace keeps a view of pos_bias_u/v (`module.pos_bias_u[None, :, None, :]`) alive
     (lambda tf: tf.Wav2Vec2ConformerForCTC(_audio("Wav2Vec2ConformerConfig", position_embeddings_type="relative")),
      "exact"),
+    # ViT: the same with cls_token.expand(...) (main fell back to naive: a README "exact" family)
+    (lambda tf: tf.ViTForImageClassification(tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                           intermediate_size=64, image_size=16, patch_size=4)),
+     "exact"),
     # WavLM's attention passes q/k/v_proj.weight to F.multi_head_attention_forward without calling them
     (lambda tf: tf.WavLMForCTC(_audio("WavLMConfig", do_stable_layer_norm=True, feat_extract_norm="layer",
                                       num_buckets=16, max_bucket_distance=20)), "naive"),
