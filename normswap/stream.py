@@ -266,8 +266,7 @@ def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     for key in keys:
         new, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if converted is not None:
-            raise NormswapError(f"cannot stream {key}: transformers transforms it when loading (load the "
-                                "model in memory instead)")
+            raise NotStreamable(f"cannot stream {key}: transformers transforms it when loading")
         out[new] = key
     return out
 

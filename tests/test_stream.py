@@ -206,3 +206,22 @@ def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
     assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
     assert compare(original, normswap.from_pretrained(tmp_path / "out")).max_rel < 1e-4
+
+
+def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
+    """PhiMoE (LayerNorm, experts stored one by one and merged by transformers when loading) cannot stream; the
+    CLI said "load the model in memory instead" and exited 1, with no way to do that from the CLI."""
+    import transformers as tf
+    from normswap.cli import main
+    torch.manual_seed(0)
+    perturb(tf.PhimoeForCausalLM(tf.PhimoeConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                                 max_position_embeddings=64))).save_pretrained(tmp_path / "src")
+    with pytest.raises(stream.NotStreamable, match="transformers transforms it"):
+        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
+    assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    normswap.convert(model)   # what the in-memory path does (naive here: the router reads the stream)
+    normswap.save_pretrained(model, tmp_path / "mem")
+    _same_tensors(tmp_path / "out", tmp_path / "mem")
