@@ -142,11 +142,16 @@ def convert(src, to, p, method, out, overwrite, overwrite_any, as_json, dtype, d
     texts = read_finetune_data(finetune_steps, data)
     from normswap import stream
     healed = exported = None
+    streamed = False
     if not texts and not onnx_path and device.type == "cpu" and stream.streamable(src):
         # a checkpoint folder: converted tensor by tensor, in bounded memory, verified before OUT appears
-        report, parity = stream.convert_folder(src, out, to, method, p, dtype_name(dtype), overwrite,
-                                               max_shard_size)
-    else:
+        try:
+            report, parity = stream.convert_folder(src, out, to, method, p, dtype_name(dtype), overwrite,
+                                                   max_shard_size)
+            streamed = True
+        except stream.NotStreamable as e:   # raised before anything is written
+            warn(f"{e}: converting in memory")
+    if not streamed:
         model, tokenizer = normswap.io.load_model(src, dtype_name(dtype))
         model.to(device)
         reference = reference_outputs(model)   # outputs before editing, not a copy of the model

@@ -132,6 +132,11 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
                             f"student's ({student.config.vocab_size})")
     if out is not None:  # before training, not after
         check_replaceable(out, overwrite)
+        from normswap import shards
+        folder = Path(out).expanduser().absolute().parent
+        while not folder.exists():   # the first existing folder up: where the save will land
+            folder = folder.parent
+        shards.check_space(folder / Path(out).name, sum(shards.nbytes(s, d) for _, d, s in shards.saved_specs(student)))
 
 
 def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:

@@ -194,6 +194,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    _record_untied(model)
     section = getattr(model.config, "normswap", None)
     with atomic_dir(out, overwrite) as tmp:
         shards.save_model(model, tmp, max_shard_size)  # tied tensors saved once, restored by loading
@@ -211,6 +212,20 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         if check is not None:
             check(tmp)
     return Path(out)
+
+
+def _record_untied(model: nn.Module) -> None:
+    """A config that ties the LM head to the embeddings of a model where they are two tensors (transformers
+    unties them when a checkpoint stores both, with different values): saved as is, loading would tie them
+    again and the head would become the embedding. The config says what the model is: untied."""
+    try:
+        inp, head = model.get_input_embeddings(), model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    w_in, w_out = getattr(inp, "weight", None), getattr(head, "weight", None)
+    if getattr(model.config, "tie_word_embeddings", False) and w_in is not None and w_out is not None \
+            and w_in is not w_out:
+        model.config.tie_word_embeddings = False
 
 
 def apply_structure(model: nn.Module, section: dict) -> None:

@@ -63,7 +63,7 @@ def _ids(config, shape, g, start: int | None = None) -> torch.Tensor:
 
 
 def _length(config, seq: int, *keys: str) -> int:
-    limits = [v for k in keys if isinstance(v := _cfg(config, k), int)]
+    limits = [v for k in keys if isinstance(v := _cfg(config, k), int) and v > 0]   # XLNet: -1, no limit
     return min([seq, *limits])
 
 

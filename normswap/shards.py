@@ -236,7 +236,7 @@ def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DE
 def check_space(out: str | Path, needed: int) -> None:
     """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on."""
     import shutil
-    free = shutil.disk_usage(out).free
+    free = shutil.disk_usage(out if Path(out).exists() else Path(out).parent).free   # out: a folder being written
     if needed > free:
         raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {needed / 1e9:.2f} GB, "
                             f"{free / 1e9:.2f} GB are free; nothing was written")

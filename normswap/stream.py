@@ -21,11 +21,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from normswap import progress, shards
 from normswap.errors import NormswapError
 from normswap.parity import compare, refuse_nonfinite, sample_inputs
 from normswap.surgery.methods import MethodResult, get_method
+from normswap.surgery.trace import IGNORE, _tensors
 
 ZERO_OK = "normswap_zero_ok"  # module attribute: params missing from the checkpoint start as zeros
 
@@ -74,6 +76,8 @@ class Lazy:
             self.groups[name] = self.groups[first]
         self.names = _checkpoint_names(model, reader.keys())
         self.held: dict[int, list] = {}   # id(module) -> [(its tensor, the meta stand-in swapped out)]
+        self.running: list[nn.Module] = []   # modules whose forward is running, innermost last
+        self.stuck: list = []   # frees refused while something else held the tensor (a view kept by the trace)
 
     def key(self, name: str) -> str | None:
         return next((self.names[n] for n in self.groups.get(name, [name]) if n in self.names), None)
@@ -88,43 +92,131 @@ class Lazy:
             for n, t in list(store.items()):
                 if t is None or not t.is_meta or t.dim() > max_dim:
                     continue
-                key = self.key(prefix + n)
-                if key is None:
-                    if n not in getattr(module, ZERO_OK, ()):
-                        raise NormswapError(f"{prefix + n} is not in the checkpoint")
-                    value = torch.zeros(t.shape, dtype=t.dtype)
-                else:
-                    value = self.reader.get(key).to(t.dtype)
-                    if self.bar is not None:
-                        self.bar.update(value.numel() * value.element_size())
-                real = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
-                torch.utils.swap_tensors(t, real)   # `real` now holds the meta stand-in
-                if not keep:
-                    held.append((t, real))
+                self._load_one(module, prefix + n, n, t, None if keep else held)
+
+    def _load_one(self, module: nn.Module, full: str, n: str, t: torch.Tensor, held: list | None) -> None:
+        key = self.key(full)
+        if key is None:
+            if n not in getattr(module, ZERO_OK, ()):
+                raise NormswapError(f"{full} is not in the checkpoint")
+            value = torch.zeros(t.shape, dtype=t.dtype)
+        else:
+            value = self.reader.get(key).to(t.dtype)
+            if self.bar is not None:
+                self.bar.update(value.numel() * value.element_size())
+        real = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
+        torch.utils.swap_tensors(t, real)   # `real` now holds the meta stand-in
+        if held is not None:
+            held.append((t, real))
 
     def free(self, module: nn.Module, min_dim: int = 0) -> None:
         """Put what `load` made real in `module` (of min_dim dims or more) back on meta."""
         held = self.held.pop(id(module), [])
         for t, meta in held:
             if t.dim() >= min_dim:
-                torch.utils.swap_tensors(t, meta)
+                self._unload(t, meta)
         rest = [(t, m) for t, m in held if t.dim() < min_dim]
         if rest:
             self.held[id(module)] = rest
 
-    def free_all(self) -> None:   # after a forward that failed midway
-        for t, meta in (pair for pairs in self.held.values() for pair in pairs):
+    def _unload(self, t: torch.Tensor, meta: torch.Tensor) -> None:
+        try:
             torch.utils.swap_tensors(t, meta)
+        except RuntimeError:   # still referenced (a view of it kept alive by the plan's trace): later
+            self.stuck.append((t, meta))
+
+    def free_all(self) -> None:   # after a forward (one that failed midway too)
+        import gc
+        pairs = [pair for pairs in self.held.values() for pair in pairs] + self.stuck
         self.held.clear()
+        self.running.clear()
+        self.stuck = []
+        gc.collect()
+        for t, meta in pairs:
+            torch.utils.swap_tensors(t, meta)
 
     def attach(self, model: nn.Module) -> list:
-        """Hooks that load each module's tensors before its forward and free them after it; the handles."""
+        """Hooks that load each module's tensors before its forward and free them after it; the handles.
+        A tensor read without its module running (WavLM's attention passes its projections' weights to
+        F.multi_head_attention_forward) is loaded when a torch call reads it (`on_use`) and freed with the
+        innermost module running then."""
         handles = []
+        self.owner = {}
         for name, module in model.named_modules():
-            if module._parameters:
-                handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.load(model, n)))
-                handles.append(module.register_forward_hook(lambda m, a, o: self.free(m)))
+            prefix = name + "." if name else ""
+            for store in (module._parameters, module._buffers):
+                for n, t in store.items():
+                    if t is not None and t.is_meta:
+                        self.owner[id(t)] = (t, module, prefix + n, n)
+            handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self._enter(model, m, n)))
+            handles.append(module.register_forward_hook(lambda m, a, o: self._leave(m)))
         return handles
+
+    def _enter(self, model: nn.Module, module: nn.Module, name: str) -> None:
+        self.running.append(module)
+        if module._parameters:
+            self.load(model, name)
+
+    def _leave(self, module: nn.Module) -> None:
+        self.free(module)
+        if self.running and self.running[-1] is module:
+            self.running.pop()
+
+    def use(self, tensors) -> None:
+        """Make real the meta tensors of this model among `tensors` (the arguments of a torch call)."""
+        for x in tensors:
+            hit = self.owner.get(id(x)) if x.is_meta else None
+            if hit is not None and hit[0] is x:
+                t, module, full, n = hit
+                holder = self.running[-1] if self.running else module
+                self._load_one(module, full, n, t, self.held.setdefault(id(holder), []))
+
+    def on_use(self):
+        return _OnUse(self)
+
+
+class _OnUse(TorchFunctionMode):
+    def __init__(self, *lazies: Lazy):
+        super().__init__()
+        self.lazies = lazies
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensors((args, kwargs))
+        if not any(x.is_meta for x in tensors) or getattr(func, "__name__", "") in IGNORE:
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "") == "__get__":   # .dtype, .shape, .device: no values needed
+            if getattr(func, "__self__", None) is torch.Tensor.device and self.owned(tensors):
+                return torch.device("cpu")   # where its values are: code builds tensors on it (WavLM's positions)
+            out = func(*args, **kwargs)
+            if not _tensors(out):
+                return out
+        for lazy in self.lazies:
+            lazy.use(tensors)
+        return func(*args, **kwargs)
+
+    def owned(self, tensors) -> bool:
+        return any(x.is_meta and id(x) in lazy.owner for x in tensors for lazy in self.lazies)
+
+
+class NotStreamable(NormswapError):
+    """The folder converts, but not in bounded memory: the caller loads it in memory instead."""
+
+
+def _check_ties(lazy: Lazy, src: Path) -> None:
+    """A tied tensor stored under two names with different values: transformers unties them when loading (the
+    model's head is then the stored lm_head, not the embedding), which a model built tied cannot follow."""
+    seen = set()
+    for group in lazy.groups.values():
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        keys = list(dict.fromkeys(lazy.names[n] for n in group if n in lazy.names))
+        first = lazy.reader.get(keys[0]) if len(keys) > 1 else None
+        for key in keys[1:]:
+            if not torch.equal(first, lazy.reader.get(key)):
+                raise NotStreamable(f"{src} stores the tied tensors {keys[0]} and {key} with different values "
+                                    "(transformers unties them)")
 
 
 def _check_weights(model: nn.Module, lazy: Lazy, src: Path) -> None:
@@ -152,7 +244,8 @@ def _lazy_plan(lazy: Lazy, inputs: dict):
     def plan_fn(model: nn.Module, sites):
         handles = lazy.attach(model)
         try:
-            return exact_plan(model, sites, inputs)
+            with _OnUse(lazy):
+                return exact_plan(model, sites, inputs)
         finally:
             for h in handles:
                 h.remove()
@@ -173,8 +266,7 @@ def _checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     for key in keys:
         new, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if converted is not None:
-            raise NormswapError(f"cannot stream {key}: transformers transforms it when loading (load the "
-                                "model in memory instead)")
+            raise NotStreamable(f"cannot stream {key}: transformers transforms it when loading")
         out[new] = key
     return out
 
@@ -323,9 +415,12 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype):
     inputs = _sample_inputs(reference)
     total = len(inputs) * (shards.Reader(src).total_size() + shards.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True) as bar:
+        lazies = []
         for model, folder in ((reference, src), (converted, out)):
-            Lazy(model, shards.Reader(folder, mapped=True), bar).attach(model.float())
-        return compare(reference, converted, inputs)
+            lazies.append(Lazy(model, shards.Reader(folder, mapped=True), bar))
+            lazies[-1].attach(model.float())
+        with _OnUse(*lazies):
+            return compare(reference, converted, inputs)
 
 
 def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
@@ -350,6 +445,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         model.generation_config = GenerationConfig.from_pretrained(src)
     lazy = Lazy(model, shards.Reader(src, mapped=True))
     _check_weights(model, lazy, src)
+    _check_ties(lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
     run = _method(method, _lazy_plan(lazy, _sample_inputs(model)[0]))

@@ -275,3 +275,18 @@ def test_minilm_heals():
          progress=False)
     after = evaluate(student, mtok, held, reference=teacher, max_sentences=16).cosine
     assert before < 0.9 and (1 - after) < 0.5 * (1 - before)  # naive swap: ~0.73 before
+
+
+def test_a_save_the_disk_cannot_hold_is_refused_before_training(pair, tok, tmp_path, monkeypatch):
+    """Not after the steps: the refusal at save time lost the whole run (and under accelerate launch the other
+    processes died with gloo's 'Connection closed by peer')."""
+    import collections
+    import shutil
+    teacher, student = pair
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    steps = []
+    with pytest.raises(NormswapError, match="not enough disk space"):
+        heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=3, out=tmp_path / "new" / "out",
+             callback=lambda step, loss: steps.append(step), **FAST)
+    assert steps == [] and sorted(tmp_path.iterdir()) == []

@@ -161,3 +161,20 @@ def test_cli_eval_json_of_a_nan_model_is_valid_json_and_fails(tmp_path):
     ok = CliRunner().invoke(main, ["eval", str(tmp_path / "ok"), *args])
     assert ok.exit_code == 0 and "error" not in json.loads(ok.stdout)
     assert json.loads(ok.stdout)["perplexity"] > 1
+
+
+def test_sample_inputs_without_a_position_limit(tmp_path):
+    """XLNet's max_position_embeddings is -1 (no limit): sample inputs are built, and its folder streams (it
+    was a RuntimeError about a negative dimension)."""
+    import transformers as tf
+    from _exact_models import perturb
+    from normswap import stream
+    from normswap.parity import sample_inputs
+    torch.manual_seed(0)
+    model = perturb(tf.XLNetLMHeadModel(tf.XLNetConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4,
+                                                       d_inner=64))).eval()
+    assert model.config.max_position_embeddings == -1
+    assert [x["input_ids"].shape[-1] for x in sample_inputs(model)] == [16, 33]
+    model.save_pretrained(tmp_path / "src")
+    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    assert report.converted and parity.max_rel > 0   # naive (XLNet is post-LN), reported

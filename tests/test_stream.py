@@ -146,3 +146,82 @@ def test_cli_streams_a_speech_model_with_its_ctc_head(tmp_path):
     normswap.convert(model, method="exact")
     normswap.save_pretrained(model, tmp_path / "mem")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
+
+
+def _audio(cls_cfg, **kw):
+    import transformers as tf
+    return getattr(tf, cls_cfg)(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, **kw)
+
+
+@pytest.mark.parametrize("make,method", [
+    # the plan's trace keeps a view of pos_bias_u/v (`module.pos_bias_u[None, :, None, :]`) alive
+    (lambda tf: tf.Wav2Vec2ConformerForCTC(_audio("Wav2Vec2ConformerConfig", position_embeddings_type="relative")),
+     "exact"),
+    # ViT: the same with cls_token.expand(...) (main fell back to naive: a README "exact" family)
+    (lambda tf: tf.ViTForImageClassification(tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                           intermediate_size=64, image_size=16, patch_size=4)),
+     "exact"),
+    # WavLM's attention passes q/k/v_proj.weight to F.multi_head_attention_forward without calling them
+    (lambda tf: tf.WavLMForCTC(_audio("WavLMConfig", do_stable_layer_norm=True, feat_extract_norm="layer",
+                                      num_buckets=16, max_bucket_distance=20)), "naive"),
+])
+def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
+    """Streaming converts what the in-memory path converts, bit for bit, also when a module's weights are read
+    without its forward running, or a view of one outlives its forward."""
+    import transformers as tf
+    torch.manual_seed(0)
+    perturb(make(tf)).save_pretrained(tmp_path / "src")
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    mem = normswap.convert(model, method=method)
+    normswap.save_pretrained(model, tmp_path / "mem")
+    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method)
+    assert report.method == mem.method == method
+    _same_tensors(tmp_path / "out", tmp_path / "mem")
+    # the lazy verification computes what the whole models compute (WavLM's positions are built on
+    # rel_attn_embed.weight.device: on meta, the embedding lookup returned uninitialised memory)
+    original = normswap.load_model(str(tmp_path / "src"))[0]
+    expected = compare(original.float(), normswap.from_pretrained(tmp_path / "out").float())
+    assert parity.max_abs == pytest.approx(expected.max_abs, rel=1e-6, abs=1e-9)
+    if method == "exact":
+        assert parity.max_rel <= 1e-5
+
+
+def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
+    """config ties lm_head to wte, but the file holds both, different: transformers unties them (the head is
+    the stored lm_head). Streaming built the tied model, used wte as the head, and its verification (against
+    the same tied model) passed: the written model's logits were not the original's."""
+    from safetensors.torch import load_file, save_file
+    from normswap.cli import main
+    _save_family("gpt2", tmp_path / "src", shard="1GB")
+    state = load_file(tmp_path / "src" / shards.WEIGHTS)
+    state["lm_head.weight"] = state["transformer.wte.weight"] * 2
+    save_file(state, tmp_path / "src" / shards.WEIGHTS, metadata={"format": "pt"})
+    original, _ = normswap.load_model(str(tmp_path / "src"))
+    assert original.lm_head.weight is not original.transformer.wte.weight   # what transformers does
+    with pytest.raises(stream.NotStreamable, match="lm_head.weight with different values"):
+        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
+    assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
+    assert compare(original, normswap.from_pretrained(tmp_path / "out")).max_rel < 1e-4
+
+
+def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
+    """PhiMoE (LayerNorm, experts stored one by one and merged by transformers when loading) cannot stream; the
+    CLI said "load the model in memory instead" and exited 1, with no way to do that from the CLI."""
+    import transformers as tf
+    from normswap.cli import main
+    torch.manual_seed(0)
+    perturb(tf.PhimoeForCausalLM(tf.PhimoeConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                                 max_position_embeddings=64))).save_pretrained(tmp_path / "src")
+    with pytest.raises(stream.NotStreamable, match="transformers transforms it"):
+        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
+    assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    normswap.convert(model)   # what the in-memory path does (naive here: the router reads the stream)
+    normswap.save_pretrained(model, tmp_path / "mem")
+    _same_tensors(tmp_path / "out", tmp_path / "mem")
