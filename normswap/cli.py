@@ -77,7 +77,7 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="normswap")
-@click.option("-q", "--quiet", "quiet", count=True, help="Errors only: no library warnings, no progress bars.")
+@click.option("-q", "--quiet", "quiet", count=True, help="No warnings, no progress bars (errors and the result still print).")
 @click.option("-v", "--verbose", "verbose", count=True, help="Also the libraries' info messages.")
 @click.pass_context
 def main(ctx, quiet, verbose):
