@@ -57,8 +57,14 @@ def is_causal_lm(model_or_config) -> bool:
 
 
 def auto_class(config):
-    """The Auto class that loads config.architectures' head: causal LM, (speech) seq2seq, image
-    classifier, CTC; AutoModel (no head) otherwise."""
+    """The class that loads config.architectures' head: the transformers class it names (built in, for this
+    config: never the folder's own code), else the Auto class for its kind (causal LM, (speech) seq2seq,
+    image classifier, CTC), else AutoModel (no head)."""
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and \
+                isinstance(getattr(cls, "config_class", None), type) and isinstance(config, cls.config_class):
+            return cls
     if is_causal_lm(config):
         return AutoModelForCausalLM
     names = list(getattr(config, "architectures", None) or [])

@@ -144,11 +144,30 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Ref
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
     """
     inputs = inputs if inputs is not None else sample_inputs(model)
-    name, outs = "output", []
+    name, outs, used = "output", [], []
     for batch in inputs:
-        name, out = main_output(model(**batch))
-        outs.append(out.detach().clone())  # clone: never a view into the model's own buffers
-    return Reference(inputs, outs, name)
+        try:
+            runs = [(batch, model(**batch))]
+        except Exception:
+            # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
+            rows = _rows(batch)
+            if rows is None:
+                raise
+            runs = [(row, model(**row)) for row in rows]
+        for x, result in runs:
+            name, out = main_output(result)
+            used.append(x)
+            outs.append(out.detach().clone())  # clone: never a view into the model's own buffers
+    return Reference(used, outs, name)
+
+
+def _rows(batch: dict) -> list[dict] | None:
+    """A batch of several rows as one-row batches; None if it is one row already."""
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
+    if len(sizes) != 1 or (n := sizes.pop()) < 2:
+        return None
+    return [{k: v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in batch.items()}
+            for i in range(n)]
 
 
 @torch.no_grad()

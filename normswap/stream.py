@@ -283,7 +283,12 @@ def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None
         reader = shards.Reader(path)
         dtype = next((d for d, _ in map(reader.meta, reader.keys()) if d.is_floating_point), torch.float32)
     with init_empty_weights():
-        model = cls(config).to(dtype) if cls is not None else auto_class(config).from_config(config, dtype=dtype)
+        if cls is not None:
+            model = cls(config).to(dtype)
+        else:   # an Auto class's from_config calls the class's _from_config: the same model either way
+            found = auto_class(config)
+            model = found.from_config(config, dtype=dtype) if hasattr(found, "from_config") else \
+                found._from_config(config, dtype=dtype)
     model.tie_weights()  # ties made inside init_empty_weights are lost (it re-creates each parameter)
     return model.eval()
 

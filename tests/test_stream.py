@@ -225,3 +225,44 @@ def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
     normswap.convert(model)   # what the in-memory path does (naive here: the router reads the stream)
     normswap.save_pretrained(model, tmp_path / "mem")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
+
+
+def _heads():
+    import transformers as tf
+    from test_trace import _wav2vec2
+    gpt2 = dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=64, num_labels=3)
+    return {
+        "gpt2-classifier": (lambda: tf.GPT2ForSequenceClassification(tf.GPT2Config(pad_token_id=0, **gpt2)), "exact"),
+        # no pad token: the model refuses batches of several rows, so the padded sample batch runs row by row
+        "gpt2-classifier-no-pad": (lambda: tf.GPT2ForSequenceClassification(tf.GPT2Config(**gpt2)), "exact"),
+        "opt-question-answering": (lambda: tf.OPTForQuestionAnswering(tf.OPTConfig(
+            vocab_size=101, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=32)), "exact"),
+        "wav2vec2-classifier": (lambda: tf.Wav2Vec2ForSequenceClassification(_wav2vec2(do_stable_layer_norm=True)),
+                                "exact"),
+        "bert-masked-lm": (lambda: tf.BertForMaskedLM(tf.BertConfig(
+            vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=64)), "naive"),   # post-LN
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2-classifier", "gpt2-classifier-no-pad", "opt-question-answering",
+                                  "wav2vec2-classifier", "bert-masked-lm"])
+def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
+    """config.architectures names the transformers class to build (not only LM/seq2seq/CTC/image heads), so
+    its head's weights are loaded and converted, in memory and streaming alike."""
+    make, method = _heads()[name]
+    torch.manual_seed(0)
+    built = perturb(make()).eval()
+    built.save_pretrained(tmp_path / "src")
+    model, _ = normswap.load_model(str(tmp_path / "src"))
+    assert type(model) is type(built)
+    report = normswap.convert(model, method="auto")
+    assert report.method == method
+    normswap.save_pretrained(model, tmp_path / "mem")
+    stream_report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="auto")
+    assert stream_report.method == method
+    _same_tensors(tmp_path / "out", tmp_path / "mem")
+    expected = compare(built, normswap.from_pretrained(tmp_path / "out"))
+    assert parity.max_rel == pytest.approx(expected.max_rel, rel=1e-6)
+    assert parity.max_rel <= 1e-5 if method == "exact" else parity.max_rel > 1e-2
