@@ -205,6 +205,26 @@ def test_a_hidden_dim_slice_is_a_use_only_when_its_values_are_read(read_values):
         assert p.reason is None and sorted(p.norms["norm"].sources) == ["layer:emb", "layer:pos"]
 
 
+class _ClampToy(nn.Module):
+    def __init__(self, bound: float):
+        super().__init__()
+        self.emb, self.norm, self.head, self.bound = nn.Embedding(V, D), nn.LayerNorm(D), nn.Linear(D, V), bound
+
+    def forward(self, input_ids):
+        return self.head(self.norm(torch.clamp(self.emb(input_ids), -self.bound, self.bound)))
+
+
+@pytest.mark.parametrize("bound, exact_ok", [(torch.finfo(torch.float16).max - 1000, True), (1.0, False)])
+def test_an_overflow_clamp_keeps_the_stream_but_a_real_clamp_does_not(bound, exact_ok):
+    """BART-family encoders clamp fp16 hidden states to +-(max - 1000): no value changes; clamping to +-1 does."""
+    torch.manual_seed(0)
+    model = perturb(_ClampToy(bound)).half().eval()
+    p = exact.plan(model, find_norms(model)[0], {"input_ids": _ids()})
+    assert (p.reason is None) == exact_ok
+    if not exact_ok:
+        assert "clamp" in p.reason
+
+
 def test_inspect_shows_the_traced_plan(tmp_path):
     import json
     from click.testing import CliRunner

@@ -4,7 +4,8 @@ Every tensor gets a provenance: the set of labels it is a *sum* of ("layer:<name
 output, "norm:<name>" for a norm's output, "param:<name>" for a parameter used directly) and whether it
 is still such a sum ("pure") or went through another operation (then `opaque` names that operation).
 Sums, differences, scaling by scalars or per-token factors, dropout, reshapes, permutes, expands,
-indexing and concatenation along other dims keep a tensor pure: they keep each label's contribution
+indexing and concatenation along other dims, and clamps to near the dtype's largest value (fp16
+overflow guards) keep a tensor pure: they keep each label's contribution
 zero-mean along the hidden dim if it was. Anything else makes it opaque; the first opaque operation on
 a pure tensor is recorded as a *use* of its labels. A leaf module reading a pure tensor is a use too,
 except a norm (it removes the mean) and a layer reading exactly one norm's output (a *reader*).
@@ -34,6 +35,7 @@ SLICE = {"__getitem__", "narrow", "select", "index_select", "split", "chunk", "u
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_"}
 HIDDEN_SLICE = "slice of the hidden dim"
+CLAMP = {"clamp", "clip", "clamp_", "clip_"}
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
 IGNORE = {"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
           "new_full", "new_tensor", "size", "dim", "numel", "is_floating_point", "__len__", "get_device"}
@@ -190,6 +192,8 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
         elif name in SLICE and any(_last(o) != _last(ins[0][0]) for o in outs):
             return f"{HIDDEN_SLICE} ({name})"
         return None
+    if name in CLAMP and _overflow_guard(args, kwargs):
+        return None
     if name in SUM:
         if any(i is None for _, i in ins) or any(isinstance(a, (int, float)) and a for a in args):
             return f"{name} of an untracked value"
@@ -202,6 +206,19 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
             return None
         return f"{name} by a per-channel or traced tensor"
     return name
+
+
+def _overflow_guard(args, kwargs) -> bool:
+    """clamp(x, -m, m) with m near the dtype's largest value (BART-family encoders in fp16): the identity on
+    every value that is not already an overflow, so not an operation on the stream's values."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+    hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+    if x is None or not x.is_floating_point() or (lo is None and hi is None):
+        return False
+    big = torch.finfo(x.dtype).max / 2
+    return all(b is None or isinstance(b, (int, float)) and abs(b) >= big for b in (lo, hi)) and \
+        (lo is None or lo < 0) and (hi is None or hi > 0)
 
 
 @torch.no_grad()
