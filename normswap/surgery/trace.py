@@ -4,9 +4,9 @@ Every tensor gets a provenance: the set of labels it is a *sum* of ("layer:<name
 output, "norm:<name>" for a norm's output, "param:<name>" for a parameter used directly) and whether it
 is still such a sum ("pure") or went through another operation (then `opaque` names that operation).
 Sums, differences, scaling by scalars or per-token factors, dropout, reshapes, permutes, expands,
-indexing and concatenation along other dims, and clamps to near the dtype's largest value (fp16
-overflow guards) keep a tensor pure: they keep each label's contribution
-zero-mean along the hidden dim if it was. Anything else makes it opaque; the first opaque operation on
+indexing and concatenation along other dims keep a tensor pure: they keep each label's contribution
+zero-mean along the hidden dim if it was. So does a clamp to near the dtype's largest value (an fp16
+overflow guard): it is the identity on every value that has not overflowed already. Anything else makes it opaque; the first opaque operation on
 a pure tensor is recorded as a *use* of its labels. A leaf module reading a pure tensor is a use too,
 except a norm (it removes the mean) and a layer reading exactly one norm's output (a *reader*).
 
