@@ -62,7 +62,7 @@ def build(size: str, path: Path) -> int:
     path.mkdir(parents=True)
     config.save_pretrained(path)
     shards.write(path, specs, tensors(), "2GB")
-    return sum(shards.nbytes(s, d) for _, d, s in specs)
+    return shards.total_bytes(specs)
 
 
 def measure(cmd: list[str]) -> tuple[float, int, int, int]:

@@ -16,6 +16,7 @@ save to `out` abandons that save (`out` is replaced atomically, so it stays as i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
@@ -133,10 +134,7 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
     if out is not None:  # before training, not after
         check_replaceable(out, overwrite)
         from normswap import shards
-        folder = Path(out).expanduser().absolute().parent
-        while not folder.exists():   # the first existing folder up: where the save will land
-            folder = folder.parent
-        shards.check_space(folder / Path(out).name, sum(shards.nbytes(s, d) for _, d, s in shards.saved_specs(student)))
+        shards.check_space(out, shards.total_bytes(shards.saved_specs(student)))
 
 
 def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
@@ -265,12 +263,8 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before heal). A
     # collective, so Ctrl-C is held off: one process leaving it early would hang the others.
     if sharded and not stop["torn"]:
-        held = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
-        try:
+        with _sigint_held(main_thread):
             heal_fsdp.gather_into(model, student)
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, held)
 
     report = HealReport(int(steps), len(losses), train, objective, trainable, lr, seq_len, batch_size, seed,
                         losses[0] if losses else None, sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -296,9 +290,16 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
             return
         except KeyboardInterrupt:  # the atomic save leaves `out` as it was; keep the work in .partial
             report.interrupted, report.save_interrupted = True, True
+    with _sigint_held(main_thread):
+        report.saved_to = _save(student, tokenizer, out, overwrite, info())
+
+
+@contextlib.contextmanager
+def _sigint_held(main_thread: bool):
+    """Ctrl-C ignored inside the block (only the main thread may set signal handlers), then as before."""
     held = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
     try:
-        report.saved_to = _save(student, tokenizer, out, overwrite, info())
+        yield
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, held)

@@ -61,9 +61,9 @@ def auto_class(config):
     config: never the folder's own code), else the Auto class for its kind (causal LM, (speech) seq2seq,
     image classifier, CTC), else AutoModel (no head)."""
     for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
-        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) and \
-                isinstance(getattr(cls, "config_class", None), type) and isinstance(config, cls.config_class):
+        cls = _transformers_class(name)
+        if cls is not None and isinstance(getattr(cls, "config_class", None), type) and \
+                isinstance(config, cls.config_class):
             return cls
     if is_causal_lm(config):
         return AutoModelForCausalLM
@@ -76,6 +76,12 @@ def auto_class(config):
                 if type(config) in cls._model_mapping:
                     return cls
     return AutoModel
+
+
+def _transformers_class(name: str):
+    """The model class transformers itself defines under `name` (never code from a folder), else None."""
+    cls = getattr(transformers, name, None) if name.isidentifier() and not name.startswith("_") else None
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -246,8 +252,8 @@ def apply_structure(model: nn.Module, section: dict) -> None:
 def _base_config(raw: dict, section: dict, where: str):
     """The original architecture's config and model class, as recorded in the section: never remote code."""
     base = section["base"]
-    cls = getattr(transformers, base["architecture"], None)
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+    cls = _transformers_class(base["architecture"])
+    if cls is None:
         raise NormswapError(f"{where}: unknown architecture {base['architecture']!r} in config.json")
     if base["model_type"] not in transformers.CONFIG_MAPPING:
         raise NormswapError(f"{where}: unknown model_type {base['model_type']!r} in config.json")

@@ -52,6 +52,11 @@ def nbytes(shape, dtype: torch.dtype) -> int:
     return n * torch.empty(0, dtype=dtype).element_size()
 
 
+def total_bytes(specs: list[tuple[str, torch.dtype, list[int]]]) -> int:
+    """Bytes of the tensors `specs` (name, dtype, shape) describe."""
+    return sum(nbytes(shape, dtype) for _, dtype, shape in specs)
+
+
 def has_weights(path: str | Path) -> bool:
     return (Path(path) / WEIGHTS).exists() or (Path(path) / INDEX).exists()
 
@@ -200,8 +205,7 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
     if next(stream, None) is not None:
         raise NormswapError("internal: more tensors than planned")
     if len(names) > 1:
-        total = sum(nbytes(s, d) for _, d, s in specs)
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes(specs)}, "weight_map": weight_map},
                                             indent=2) + "\n")
     return names
 
@@ -225,7 +229,7 @@ def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
 def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
     """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size."""
     specs = saved_specs(model)
-    check_space(out, sum(nbytes(s, d) for _, d, s in specs))
+    check_space(out, total_bytes(specs))
     produce = getattr(model, "_normswap_tensors", None)  # set by `stream`: tensors computed as written
     if produce is not None:
         return write(out, specs, produce(specs), max_shard_size)
@@ -234,31 +238,13 @@ def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DE
 
 
 def check_space(out: str | Path, needed: int) -> None:
-    """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on."""
+    """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on.
+    `out` need not exist yet: the space is measured at its nearest existing folder, where it will land."""
     import shutil
-    free = shutil.disk_usage(out if Path(out).exists() else Path(out).parent).free   # out: a folder being written
+    where = Path(out).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
     if needed > free:
         raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {needed / 1e9:.2f} GB, "
                             f"{free / 1e9:.2f} GB are free; nothing was written")
-
-
-def load_model(model: nn.Module, path: str | Path) -> None:
-    """Fill `model`'s parameters and buffers from a checkpoint folder, tensor by tensor; strict."""
-    reader = Reader(path)
-    alias = aliases(model)
-    state = model.state_dict(keep_vars=True)
-    expected = {k for k in state if alias.get(k, k) == k}
-    missing = sorted(expected - set(reader.keys()))
-    unexpected = sorted(set(reader.keys()) - set(state))
-    if missing or unexpected:
-        raise NormswapError(f"{path}: weights do not match the model: missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for key in reader.keys():
-            target = state[key]
-            value = reader.get(key)
-            if list(value.shape) != list(target.shape):
-                raise NormswapError(f"{path}: {key} has shape {list(value.shape)}, the model "
-                                    f"expects {list(target.shape)}")
-            target.copy_(value)
-

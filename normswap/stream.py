@@ -94,16 +94,22 @@ class Lazy:
                     continue
                 self._load_one(module, prefix + n, n, t, None if keep else held)
 
-    def _load_one(self, module: nn.Module, full: str, n: str, t: torch.Tensor, held: list | None) -> None:
-        key = self.key(full)
+    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The checkpoint's tensor for model state `name` in `dtype` (counted on the bar); None if absent."""
+        key = self.key(name)
         if key is None:
+            return None
+        value = self.reader.get(key).to(dtype)
+        if self.bar is not None:
+            self.bar.update(value.numel() * value.element_size())
+        return value
+
+    def _load_one(self, module: nn.Module, full: str, n: str, t: torch.Tensor, held: list | None) -> None:
+        value = self.read(full, t.dtype)
+        if value is None:
             if n not in getattr(module, ZERO_OK, ()):
                 raise NormswapError(f"{full} is not in the checkpoint")
             value = torch.zeros(t.shape, dtype=t.dtype)
-        else:
-            value = self.reader.get(key).to(t.dtype)
-            if self.bar is not None:
-                self.bar.update(value.numel() * value.element_size())
         real = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
         torch.utils.swap_tensors(t, real)   # `real` now holds the meta stand-in
         if held is not None:
@@ -138,8 +144,8 @@ class Lazy:
     def attach(self, model: nn.Module) -> list:
         """Hooks that load each module's tensors before its forward and free them after it; the handles.
         A tensor read without its module running (WavLM's attention passes its projections' weights to
-        F.multi_head_attention_forward) is loaded when a torch call reads it (`on_use`) and freed with the
-        innermost module running then."""
+        F.multi_head_attention_forward) is loaded when a torch call reads it (under `_OnUse`) and freed with
+        the innermost module running then."""
         handles = []
         self.owner = {}
         for name, module in model.named_modules():
@@ -170,9 +176,6 @@ class Lazy:
                 t, module, full, n = hit
                 holder = self.running[-1] if self.running else module
                 self._load_one(module, full, n, t, self.held.setdefault(id(holder), []))
-
-    def on_use(self):
-        return _OnUse(self)
 
 
 class _OnUse(TorchFunctionMode):
@@ -309,6 +312,7 @@ class _StreamExact(MethodResult):
 def _plan_exact(model: nn.Module, sites, p) -> _StreamExact:
     """`exact.convert_exact`'s steps, recorded per module instead of applied (same order, so the same bits).
     Norm biases and LayerScale parameters are 1-D, hence already real on the meta model."""
+    from normswap.surgery.exact import bias_fates, output_fix
     from normswap.surgery.walk import ensure_bias
     edits: dict[str, list] = {}
     fixes: dict = {}
@@ -333,33 +337,19 @@ def _plan_exact(model: nn.Module, sites, p) -> _StreamExact:
         elif step.norm == "input":
             inputs.append(step.target)
         else:
-            b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
-            fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
-    bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
-    return _StreamExact(edits, fixes, inputs, bias=bias, added_biases=added)
+            fixes[step.target] = output_fix(model, step)
+    return _StreamExact(edits, fixes, inputs, bias=bias_fates(p), added_biases=added)
 
 
 def _method(method: str, plan_fn):
     """The convert method for streaming: exact/auto record edits; naive needs none."""
-    from normswap.surgery.exact import NotExact
+    from normswap.surgery.exact import plan_or_naive
     naive = get_method("naive")
 
     def run(model: nn.Module, sites) -> MethodResult:
         if method == "naive":
             return naive(model, sites)
-        try:
-            p = plan_fn(model, sites)
-            if getattr(p, "reason", None):
-                raise NotExact(p.reason)
-        except NotExact as e:
-            if method == "exact":
-                raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the "
-                                    "biases; heal by fine-tuning) or --method auto") from None
-            result = naive(model, sites)
-            result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm "
-                                   "biases and changes outputs: measure the change and heal (fine-tune)")
-            return result
-        return _plan_exact(model, sites, p)
+        return plan_or_naive(method, model, sites, plan_fn, _plan_exact)
     return run
 
 
@@ -387,12 +377,9 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:
-                k = lazy.key(key)
-                if k is None:
+                t = lazy.read(key, dtype)
+                if t is None:
                     raise NormswapError(f"{key} is not in the checkpoint")
-                t = lazy.reader.get(k).to(dtype)
-                if lazy.bar is not None:
-                    lazy.bar.update(t.numel() * t.element_size())
             yield t
             if owner in left:
                 left[owner] -= 1
@@ -438,7 +425,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     """
     import normswap
     from normswap.io import DTYPES, load_tokenizer
-    from normswap.surgery.exact import TOLERANCE
+    from normswap.surgery.exact import PARTIAL_WARNING, judge
     src = Path(src).expanduser()
     target = DTYPES[dtype] if dtype else None
     try:
@@ -473,22 +460,13 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         parity["p"] = verify_lazy(src, tmp, stored)
         refuse_nonfinite(parity["p"])
         if report.method == "exact":
-            tol = TOLERANCE.get(stored, 1e-4)
-            enforce = to == "rmsnorm"
-            report.verification = {**parity["p"].to_dict(), "dtype": str(stored)[6:], "tolerance": tol,
-                                   "enforced": enforce}
-            if enforce and not parity["p"].max_rel <= tol:
-                raise NormswapError(f"exact conversion failed verification: max relative {parity['p'].output} "
-                                    f"error {parity['p'].max_rel:.2e} > {tol:g} ({str(stored)[6:]}); "
-                                    "nothing was saved")
+            report.verification = judge(parity["p"], stored, enforce=to == "rmsnorm")
 
-    total = sum(shards.nbytes(s, d) for _, d, s in specs)
-    with progress.bar(total=total, desc="convert", unit="B", unit_scale=True) as bar:
+    with progress.bar(total=shards.total_bytes(specs), desc="convert", unit="B", unit_scale=True) as bar:
         lazy.bar = bar
         model._normswap_tensors = lambda specs: _edited_tensors(model, lazy, specs, edits)
         normswap.save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,
                                  max_shard_size=max_shard_size, check=check)
     if to == "prmsnorm" and report.method == "exact":
-        report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
-                               "exactly but the result is approximate (verification not enforced)")
+        report.warnings.append(PARTIAL_WARNING)
     return report, parity["p"]

@@ -12,9 +12,14 @@ import torch
 from torch import nn
 
 
+def _centred(x: torch.Tensor) -> torch.Tensor:
+    """x minus its mean over the last dim (the mean taken in fp32)."""
+    return x - x.float().mean(-1, keepdim=True).to(x.dtype)
+
+
 def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
     if module.normswap_centre:
-        out = out - out.float().mean(-1, keepdim=True).to(out.dtype)
+        out = _centred(out)
     bias = getattr(module, "normswap_bias", None)
     return out if bias is None else out + bias
 
@@ -35,11 +40,9 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
 
 def _centre_input(module: nn.Module, args, kwargs):
     if args:
-        x = args[0]
-        return (x - x.float().mean(-1, keepdim=True).to(x.dtype), *args[1:]), kwargs
+        return (_centred(args[0]), *args[1:]), kwargs
     key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    x = kwargs[key]
-    return args, {**kwargs, key: x - x.float().mean(-1, keepdim=True).to(x.dtype)}
+    return args, {**kwargs, key: _centred(kwargs[key])}
 
 
 def add_input_fix(module: nn.Module) -> None:

@@ -56,6 +56,8 @@ from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite, ensure_bias
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+PARTIAL_WARNING = ("pRMSNorm estimates the RMS from a subset of features: biases are folded exactly but the "
+                   "result is approximate (verification not enforced)")
 
 
 class NotExact(NormswapError):
@@ -84,11 +86,22 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) ->
     return derive(model, t, sites)
 
 
-def _checked_plan(model: nn.Module, sites: list[NormSite]) -> Plan:
-    p = plan(model, sites)
-    if p.reason:
-        raise NotExact(p.reason)
-    return p
+def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], plan_fn, apply) -> MethodResult:
+    """Methods "exact" and "auto" (in memory and streaming alike): apply(model, sites, plan) where
+    plan_fn(model, sites) finds the model exact; else refuse ("exact") or naive with a warning ("auto")."""
+    try:
+        p = plan_fn(model, sites)
+        if p.reason:
+            raise NotExact(p.reason)
+    except NotExact as e:
+        if method == "exact":
+            raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the biases; "
+                                "heal by fine-tuning) or --method auto") from None
+        result = naive(model, sites)
+        result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
+                               "and changes outputs: measure the change and heal (fine-tune)")
+        return result
+    return apply(model, sites, p)
 
 
 def _update(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -185,8 +198,7 @@ class ExactResult(MethodResult):
         install_fixes(model, self.fixes, self.inputs)
         partial = any(isinstance(model.get_submodule(r.name), PartialRMSNorm) for r in report.converted)
         if partial:
-            report.warnings.append("pRMSNorm estimates the RMS from a subset of features: biases are folded "
-                                   "exactly but the result is approximate (verification not enforced)")
+            report.warnings.append(PARTIAL_WARNING)
         report.verification = verify(self.reference, model, enforce=not partial)
         self.reference = None  # free the recorded outputs
 
@@ -225,14 +237,30 @@ def verify(reference: Reference, model: nn.Module, enforce: bool = True) -> dict
     dtype = next(model.parameters()).dtype
     with _fp32_eval(model):
         parity = compare_to(reference, model)
-    tol = TOLERANCE.get(dtype, 1e-4)
     if parity.nonfinite:
         raise NormswapError(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
                             f"non-finite (NaN/inf) {parity.output} values; nothing was saved")
+    return judge(parity, dtype, enforce)
+
+
+def judge(parity, dtype: torch.dtype, enforce: bool) -> dict:
+    """The verification record of a finished comparison; NormswapError beyond TOLERANCE when `enforce`."""
+    tol = TOLERANCE.get(dtype, 1e-4)
     if enforce and not parity.max_rel <= tol:  # also catches NaN
         raise NormswapError(f"exact conversion failed verification: max relative {parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
     return {**parity.to_dict(), "dtype": str(dtype)[6:], "tolerance": tol, "enforced": enforce}
+
+
+def output_fix(model: nn.Module, step: Step) -> tuple[bool, torch.Tensor | None]:
+    """(centre, bias kept after the module) of a fix step; the norm's bias is read now, before the swap."""
+    b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
+    return step.centre, None if b is None else b - b.mean() if step.centre else b
+
+
+def bias_fates(p: Plan) -> dict[str, str]:
+    """Per norm, what the report says of its bias."""
+    return {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
 
 
 @torch.no_grad()
@@ -251,32 +279,18 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
             _fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
         elif step.norm == "input":
             inputs.append(step.target)
-        else:   # output fixes wait for the swap; the bias is read now, before the norm is replaced
-            b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
-            fixes[step.target] = (step.centre, None if b is None else b - b.mean() if step.centre else b)
-    bias = {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
-    return ExactResult(reference, fixes, inputs, bias=bias, added_biases=added)
+        else:   # output fixes wait for the swap
+            fixes[step.target] = output_fix(model, step)
+    return ExactResult(reference, fixes, inputs, bias=bias_fates(p), added_biases=added)
 
 
 @register_method("exact")
 def exact(model: nn.Module, sites: list[NormSite]) -> MethodResult:
     """Function-preserving: centre the residual writers, fold norm biases, verify after the swap."""
-    try:
-        p = _checked_plan(model, sites)
-    except NotExact as e:
-        raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the biases; "
-                            "heal by fine-tuning) or --method auto") from None
-    return convert_exact(model, sites, p)
+    return plan_or_naive("exact", model, sites, plan, convert_exact)
 
 
 @register_method("auto")
 def auto(model: nn.Module, sites: list[NormSite]) -> MethodResult:
     """exact where the trace shows it possible, otherwise naive with a warning."""
-    try:
-        p = _checked_plan(model, sites)
-    except NotExact as e:
-        result = naive(model, sites)
-        result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
-                               "and changes outputs: measure the change and heal (fine-tune)")
-        return result
-    return convert_exact(model, sites, p)
+    return plan_or_naive("auto", model, sites, plan, convert_exact)
