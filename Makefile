@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_OUT ?= demo-rmsnorm
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 install: $(STAMP)
 
@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/normswap convert normswap-demo --to rmsnorm -o $(DEMO_OUT) --overwrite
 
-test: $(STAMP)
+test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check normswap tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache

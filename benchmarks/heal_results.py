@@ -16,8 +16,7 @@ import json
 import time
 
 import normswap
-from normswap.demo import DEMO_NAME, split_corpus
-from normswap.surgery import available_methods
+from normswap.models.demo import DEMO_NAME, split_corpus
 
 
 def _row(name, model, tok, reference, held, seconds=None, **extra):
@@ -39,10 +38,9 @@ def _healed(converted, original, tok, train, args, mode, seq_len, lr=None, steps
 def demo(args, train, held) -> list[dict]:
     original, tok = normswap.load_model(args.demo)
     rows = [_row("original", original, tok, original, held)]
-    if "exact" in available_methods():
-        exact = copy.deepcopy(original)
-        normswap.convert(exact, method="exact")
-        rows.append(_row("exact", exact, tok, original, held))
+    exact = copy.deepcopy(original)
+    normswap.convert(exact, method="exact")
+    rows.append(_row("exact", exact, tok, original, held))
     for to, p in (("rmsnorm", None), ("prmsnorm", 0.0625)):
         conv = copy.deepcopy(original)
         normswap.convert(conv, to=to, method="naive", p=p)

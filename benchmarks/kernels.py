@@ -24,7 +24,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ def copy_bandwidth(samples: int) -> float:
     """Device-to-device copy GB/s (read + write bytes) on a 1 GiB buffer."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
-    ms, _ = _median_ms(lambda: dst.copy_(src), 1, samples, 3, graphs=False)
+    ms, _ = _median_ms(lambda: dst.copy_(src), 1, samples, 3, graphs=False)  # noqa: F821 (del below)
     del src, dst
     return 2 * (1 << 30) / ms / 1e6
 
@@ -204,7 +204,7 @@ def time_impl(impl: Impl, mode: str, sets, w, b, samples, warmup, graphs) -> tup
     torch.cuda.current_stream().wait_stream(_capture_stream())
 
     def round_fn():
-        for outs, inputs, grads in jobs:
+        for outs, inputs, grads in jobs:  # noqa: F821 (deleted after the runs)
             torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
     try:
         return _median_ms(round_fn, len(sets), samples, warmup, graphs)

@@ -23,10 +23,9 @@ import torch
 import transformers
 
 import normswap
-from normswap.demo import DEMO_DIR, DEMO_NAME
+from normswap.models.demo import DEMO_DIR, DEMO_NAME
 from normswap.export import fuse
 from normswap.export.validate import session
-from normswap.surgery import available_methods
 
 NORM_OPS = set(fuse.RMS_OPS + fuse.LN_OPS)
 
@@ -83,7 +82,7 @@ def norm_profile(path: Path, inputs: dict, runs: int, threads: int) -> dict:
 
 def bench(name: str, args, tmp: Path) -> dict:
     original, desc = build(name)
-    method = "exact" if "exact" in available_methods() else "naive"
+    method = "exact"
     converted = copy.deepcopy(original)
     normswap.convert(converted, method=method)
     paths, reports = {}, {}
@@ -108,7 +107,8 @@ def table(rows: list[dict], args) -> str:
              "| norm share LN / RMS |", "|" + "---|" * 9]
     for r in rows:
         p, lat = r["profile"], r["latency_ms"]
-        share = " / ".join(f"{100 * p[k]['norm_ms'] / max(p[k]['total_ms'], 1e-9):.1f}%" for k in ("layernorm", "rmsnorm"))
+        share = " / ".join(f"{100 * p[k]['norm_ms'] / max(p[k]['total_ms'], 1e-9):.1f}%"
+                           for k in ("layernorm", "rmsnorm"))
         lines.append(f"| {r['model']} | {r['method']} | {lat['layernorm']:.2f} | {lat['rmsnorm']:.2f} | "
                      f"{r['ratio']:.3f} | {p['layernorm']['norm_ms']:.3f} | {p['rmsnorm']['norm_ms']:.3f} | "
                      f"{r['norm_speedup']:.2f}x | {share} |")

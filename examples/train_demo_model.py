@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from normswap.demo import split_corpus
+from normswap.models.demo import split_corpus
 
 EOS = "<|endoftext|>"
 

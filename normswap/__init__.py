@@ -1,21 +1,25 @@
-"""normswap: turn a trained model's LayerNorms into (fast) RMSNorm, verify it, ship it."""
-import sys
+"""normswap: turn a trained model's LayerNorms into (fast) RMSNorm, verify it, ship it.
 
-if sys.argv[:1] == ["-m"] or sys.argv[0].endswith("normswap"):  # the CLI is starting (python -m / script)
-    from normswap.errors import one_line_interrupts  # before torch loads: Ctrl-C then is one line too
-    one_line_interrupts()
-from normswap import io
-from normswap.errors import NormswapError
-from normswap.evaluate import EvalReport, evaluate
-from normswap.export import ExportReport, export_folder, export_onnx
-from normswap.heal import HealReport, heal
-from normswap.io import from_pretrained, load_model, save_pretrained
-from normswap.norms import PartialRMSNorm, RMSNorm
-from normswap.surgery import ConversionReport, convert
-from normswap.surgery.fuse import fuse_residual_norms, unfuse_residual_norms
+A lazy facade (PEP 562): each public name is imported from its module on first use, so `import
+normswap.norms` or `normswap.ops` does not import transformers, ONNX or the rest of the package.
+"""
+from normswap.facade import lazy
 
 __version__ = "0.1.0"
-__all__ = ["RMSNorm", "PartialRMSNorm", "convert", "ConversionReport", "load_model", "save_pretrained",
-           "from_pretrained", "heal", "HealReport", "evaluate", "EvalReport", "export_onnx", "export_folder",
-           "ExportReport",
-           "fuse_residual_norms", "unfuse_residual_norms", "NormswapError", "io"]
+PUBLIC = {
+    "RMSNorm": "normswap.norms", "PartialRMSNorm": "normswap.norms",
+    "convert": "normswap.surgery.convert", "ConversionReport": "normswap.surgery.report",
+    "convert_checkpoint": "normswap.pipeline", "ConvertOptions": "normswap.pipeline",
+    "ConvertResult": "normswap.pipeline", "LoadOptions": "normswap.models.load",
+    "load_model": "normswap.models.load", "save_pretrained": "normswap.models.save",
+    "from_pretrained": "normswap.models.rebuild",
+    "heal": "normswap.healing.loop", "HealReport": "normswap.healing.loop",
+    "evaluate": "normswap.evaluation", "EvalReport": "normswap.evaluation",
+    "export_onnx": "normswap.export.onnx", "export_folder": "normswap.export.folder",
+    "ExportReport": "normswap.export.report",
+    "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
+    "NormswapError": "normswap.errors",
+    "io": "normswap.models:",   # load/save functions under their pre-0.2 name (normswap.io.load_model ...)
+}
+__all__ = list(PUBLIC)
+__getattr__, __dir__ = lazy(__name__, PUBLIC)

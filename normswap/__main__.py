@@ -1,3 +1,4 @@
-from normswap.cli import main
+"""`python -m normswap`: the CLI (its entry point sets the one-line Ctrl-C hook before the heavy imports)."""
+from normswap.cli import run
 
-main()
+run()

@@ -8,7 +8,6 @@ back; a run killed there leaves `.OUT.old-*`, which the next run restores (no OU
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -18,25 +17,16 @@ import tempfile
 import threading
 from pathlib import Path
 
-from normswap.errors import NormswapError
+from normswap import owned
+from normswap.errors import Interrupted, NormswapError
+from normswap.models.demo import DEMO_DIR, DEMO_NAME
 
 try:
     import fcntl
 except ImportError:  # Windows: an O_EXCL lock file instead
     fcntl = None
 
-# What save_pretrained writes (config, weights, generation config, tokenizer files): a folder
-# holding anything else is not replaced without overwrite="any" (--overwrite-any).
-OURS = frozenset({
-    "config.json", "generation_config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-    "sentencepiece.bpe.model", "spm.model", "model.safetensors.index.json",
-    "model.onnx", "model.onnx.data", "genai_config.json"})
-SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-SECTIONS = ("normswap", "normswap_heal")  # config.json keys only normswap writes
 ANY = "any"
-written: list[str] = []  # outputs this process has put in place (for truthful interrupt messages)
 
 
 def _note(msg: str) -> None:
@@ -55,7 +45,6 @@ def check_output(out, inputs=()) -> Path:
         cwd = Path.cwd().resolve()
         if target == cwd or target in cwd.parents:
             raise NormswapError(f"{out} is the current folder or one of its parents: name a new folder")
-    from normswap.demo import DEMO_DIR, DEMO_NAME
     for what, src in inputs:
         path = DEMO_DIR if src == DEMO_NAME else Path(src).expanduser() if src else None
         if path is None or not path.exists():
@@ -64,14 +53,6 @@ def check_output(out, inputs=()) -> Path:
         if path == target or target in path.parents:
             raise NormswapError(f"{out} would replace {what} {src}: write somewhere else")
     return target
-
-
-def _onnx_folder(out: Path) -> bool:
-    """A deployment folder `normswap export -o` wrote (its graph carries normswap's metadata)."""
-    if not (out / "model.onnx").is_file():
-        return False
-    from normswap.export import _exported_by_us
-    return _exported_by_us(out / "model.onnx")
 
 
 def check_replaceable(out, overwrite) -> None:
@@ -83,26 +64,14 @@ def check_replaceable(out, overwrite) -> None:
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
-        raise NormswapError(f"{out} exists: pass --overwrite to replace it")
+        raise NormswapError(f"{out} exists: pass `overwrite=True` to replace it")
     if not out.is_dir():
         raise NormswapError(f"{out} exists and is not a folder")
     if overwrite == ANY:
         return
-    entries = sorted(os.listdir(out))
-    if not entries:
-        return
-    try:
-        config = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        config = None
-    if not isinstance(config, dict) or not (any(k in config for k in SECTIONS) or _onnx_folder(out)):
-        raise NormswapError(f"{out} was not written by normswap (no config.json with a 'normswap' section): "
-                            "pass --overwrite-any to replace it anyway")
-    foreign = [e for e in entries if not (e in OURS or SHARD.fullmatch(e)) or not (out / e).is_file()]
-    if foreign:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise NormswapError(f"{out} holds files normswap does not write ({', '.join(foreign[:3])}{more}): "
-                            "pass --overwrite-any to replace it anyway")
+    reason = owned.foreign(out)
+    if reason:
+        raise NormswapError(f"{out} {reason}: pass `overwrite='any'` to replace it anyway")
 
 
 @contextlib.contextmanager
@@ -191,25 +160,31 @@ def _signals_deferred():
 
 
 def _swap(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out` (the old `out` aside, then deleted); a signal held during the swap is delivered
+    after it as `Interrupted` naming `out`, which is then complete."""
     old = None
-    with _signals_deferred():
-        if out.exists() or out.is_symlink():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            try:
-                os.rename(tmp, out)
-            except BaseException as e:
+    try:
+        with _signals_deferred():
+            if out.exists() or out.is_symlink():
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                os.rename(out, old)
                 try:
-                    os.rename(old, out)
-                except OSError as again:
-                    raise NormswapError(f"could not replace {out} ({e}) nor put it back ({again.strerror}): "
-                                        f"the old one is in {old}") from None
-                raise
-        else:
-            os.rename(tmp, out)
-        written.append(str(out))
-        if old is not None:
-            _remove(old)
+                    os.rename(tmp, out)
+                except BaseException as e:
+                    try:
+                        os.rename(old, out)
+                    except OSError as again:
+                        raise NormswapError(f"could not replace {out} ({e}) nor put it back ({again.strerror}): "
+                                            f"the old one is in {old}") from None
+                    raise
+            else:
+                os.rename(tmp, out)
+            if old is not None:
+                _remove(old)
+    except KeyboardInterrupt as e:
+        if not out.exists() or tmp.exists():   # the swap itself did not happen
+            raise
+        raise Interrupted.after(e, str(out)) from None
 
 
 def _honour_umask(path: Path) -> None:

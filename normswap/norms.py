@@ -67,9 +67,3 @@ def build_norm(spec: dict, like: nn.Module) -> RMSNorm:
     if spec["type"] == "prmsnorm":
         return PartialRMSNorm(spec["width"], p=spec["p"], **kw)
     return RMSNorm(spec["width"], **kw)
-
-
-def is_rms_norm(module: nn.Module) -> bool:
-    """True for ours and for other libraries' RMSNorms (LlamaRMSNorm, T5LayerNorm, nn.RMSNorm...)."""
-    name = type(module).__name__
-    return isinstance(module, (RMSNorm, nn.RMSNorm)) or "RMSNorm" in name or name == "T5LayerNorm"

@@ -1,29 +1,19 @@
-"""Progress bars for the long steps (load, convert, verify, export, eval), off unless a caller turns them on.
+"""Progress bars for the long steps (load, convert, verify, export, eval), off unless the caller asks.
 
-The API stays silent by default (a library should not draw on your terminal); the CLI turns bars on when
-stderr is a terminal and neither -q nor --json was given.
+The API stays silent by default (a library should not draw on your terminal): every function that can show
+a bar takes `show_progress`; the CLI passes True when stderr is a terminal and neither -q nor --json was given.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
 
-_enabled = False
 
-
-def enable(on: bool) -> None:
-    global _enabled
-    _enabled = bool(on)
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def bar(iterable=None, desc: str = "", total: int | None = None, unit: str = "it", unit_scale: bool = False):
-    """A tqdm bar on stderr with an ETA when progress is on, else the iterable itself (or, for a manual
-    bar, a stand-in whose update/close do nothing)."""
-    if not _enabled:
+def bar(iterable=None, desc: str = "", total: int | None = None, unit: str = "it", unit_scale: bool = False,
+        enabled: bool = False):
+    """A tqdm bar on stderr with an ETA when `enabled`, else the iterable itself (or, for a manual bar, a
+    stand-in whose update/close do nothing)."""
+    if not enabled:
         return iterable if iterable is not None else _Null()
     from tqdm.auto import tqdm
     return tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, file=sys.stderr, leave=False,

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from normswap.errors import NormswapError
+from normswap.models.introspect import config_int
 
 
 def read_texts(paths) -> list[str]:
@@ -21,7 +22,7 @@ def read_texts(paths) -> list[str]:
         else:
             files.append(p)
     if not files:
-        raise NormswapError("no data: pass at least one --data FILE")
+        raise NormswapError("no data: name at least one text file (`data`)")
     texts = []
     for f in files:
         try:
@@ -85,8 +86,4 @@ def sentences(texts, min_words: int = 4, limit: int | None = None) -> list[str]:
 
 def max_positions(model) -> int | None:
     """The longest input the model's position embeddings allow (None: no limit known)."""
-    c = model.config
-    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
-        if isinstance(getattr(c, key, None), int):
-            return getattr(c, key)
-    return None
+    return config_int(model.config, "positions")

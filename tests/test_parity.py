@@ -12,9 +12,10 @@ from torch import nn
 import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
-from normswap.parity import compare, compare_to, main_output, reference_outputs, sample_inputs
+from normswap.models.inputs import sample_inputs
+from normswap.parity import compare, compare_to, main_output, reference_outputs
 from normswap.surgery import exact
-from _exact_models import build, padded_batches
+from helpers.exact_models import build, padded_batches
 
 
 @pytest.fixture
@@ -144,7 +145,7 @@ def _no_nan(name):
 
 
 def test_cli_eval_json_of_a_nan_model_is_valid_json_and_fails(tmp_path):
-    from _heal_models import gpt2, text, tokenizer
+    from helpers.heal_models import gpt2, text, tokenizer
     tok = tokenizer()
     model = gpt2(len(tok))
     normswap.save_pretrained(model, tmp_path / "ok", tokenizer=tok)
@@ -167,9 +168,9 @@ def test_sample_inputs_without_a_position_limit(tmp_path):
     """XLNet's max_position_embeddings is -1 (no limit): sample inputs are built, and its folder streams (it
     was a RuntimeError about a negative dimension)."""
     import transformers as tf
-    from _exact_models import perturb
-    from normswap import stream
-    from normswap.parity import sample_inputs
+    from helpers.exact_models import perturb
+    from normswap.checkpoint import stream
+    from normswap.models.inputs import sample_inputs
     torch.manual_seed(0)
     model = perturb(tf.XLNetLMHeadModel(tf.XLNetConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4,
                                                        d_inner=64))).eval()

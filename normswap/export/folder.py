@@ -8,7 +8,10 @@ from pathlib import Path
 
 from torch import nn
 
+from normswap.atomic import atomic_dir
 from normswap.errors import NormswapError
+from normswap.export import genai, wrap
+from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args
 from normswap.export.report import ExportReport
 
 ONNX_NAME = "model.onnx"
@@ -46,19 +49,15 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
     The folder appears (atomically) only once the export validated.
     """
-    from normswap import export as ex
-    from normswap.export import genai, wrap
-    from normswap.io import atomic_dir
-
-    opset = ex._check_args(target, opset)
+    opset = check_args(target, opset)
     if not hasattr(model, "config"):
         raise NormswapError("export_folder needs a Hugging Face model (with .config)")
     out = Path(out).expanduser()
     decoder = wrap.is_decoder(model)
     with_past = decoder if with_past is None else with_past
-    limit = ex.EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
+    limit = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
     with atomic_dir(out, overwrite) as tmp:
-        report = ex._build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
+        report = build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
                            limit)
         _write_config(model, tmp, with_past, fp16)
         if decoder:

@@ -12,6 +12,7 @@ from pathlib import Path
 from torch import nn
 
 from normswap.export import wrap
+from normswap.models.introspect import config_int
 
 
 def _token_id(value):
@@ -24,11 +25,9 @@ def config(model: nn.Module, onnx_name: str) -> dict:
     cfg, gen = model.config, getattr(model, "generation_config", None)
     _, heads, _, head_dim = wrap.kv_shape(model, 1, 0)
     layers = wrap.num_layers(cfg)
-    attn_heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
-    hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+    attn_heads, hidden = config_int(cfg, "heads"), config_int(cfg, "hidden")
     # genai sizes its buffers from context_length; ALiBi models (BLOOM) have no limit: take 2048
-    context = next((getattr(cfg, k) for k in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-                    if isinstance(getattr(cfg, k, None), int)), 2048)
+    context = config_int(cfg, "positions") or 2048
 
     def token(name):
         value = getattr(gen, name, None) if gen is not None else None

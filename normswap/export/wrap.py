@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from normswap.models.introspect import config_int
+
 
 def is_decoder(model: nn.Module) -> bool:
     """A decoder-only language model that `generate`s with a KV cache."""
@@ -26,10 +28,10 @@ def takes_positions(model: nn.Module) -> bool:
 
 
 def num_layers(config) -> int:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    raise ValueError("cannot tell the number of layers from the config")
+    layers = config_int(config, "layers")
+    if layers is None:
+        raise ValueError("cannot tell the number of layers from the config")
+    return layers
 
 
 @torch.no_grad()

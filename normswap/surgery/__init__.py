@@ -1,9 +1,11 @@
-"""Model surgery: find LayerNorms, handle their biases with a method, swap in RMSNorm."""
-from normswap.surgery.convert import convert
-from normswap.surgery import exact as _exact  # noqa: F401  (registers exact, auto)
-from normswap.surgery.methods import MethodResult, available_methods, register_method
-from normswap.surgery.report import ConversionReport, NormRecord
-from normswap.surgery.walk import NormSite, find_norms
+"""Model surgery: find LayerNorms by behaviour (walk, probe), plan the exact conversion from one traced
+forward (trace, plan, exact), edit the weights (algebra, centring), swap in RMSNorm (convert). A lazy facade."""
+from normswap.facade import lazy
 
-__all__ = ["convert", "ConversionReport", "NormRecord", "NormSite", "find_norms", "MethodResult",
-           "register_method", "available_methods"]
+PUBLIC = {"convert": "normswap.surgery.convert", "convert_with": "normswap.surgery.convert",
+          "METHODS": "normswap.surgery.convert", "ConversionReport": "normswap.surgery.report",
+          "NormRecord": "normswap.surgery.report", "NormSite": "normswap.surgery.walk",
+          "find_norms": "normswap.surgery.walk", "MethodResult": "normswap.surgery.methods",
+          "ExactSteps": "normswap.surgery.methods"}
+__all__ = list(PUBLIC)
+__getattr__, __dir__ = lazy(__name__, PUBLIC)

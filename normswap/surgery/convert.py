@@ -7,11 +7,13 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm, build_norm, norm_spec
 from normswap.ops import check_eps, partial_width
-from normswap.surgery.methods import get_method
+from normswap.surgery.exact import auto, exact
+from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
 
 TARGETS = ("rmsnorm", "prmsnorm")
+METHODS = {"auto": auto, "exact": exact, "naive": naive}
 DEFAULT_P = 0.0625
 
 
@@ -42,16 +44,7 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
     config.normswap = section
 
 
-def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
-            filter_fn: FilterFn | None = None) -> ConversionReport:
-    """Replace every LayerNorm over the last dim of `model` by RMSNorm (or pRMSNorm), in place.
-
-    method: "auto" (default: exact where an adapter covers the architecture, else naive with a
-    warning), "exact" (function-preserving, verified; refuses what it cannot do) or "naive" (bias
-    dropped, the paper's swap). Methods register themselves in `normswap.surgery.methods`.
-    filter_fn(module, name) -> bool limits which norms are touched. Running it again on a converted
-    model is a no-op.
-    """
+def _check_target(to: str, p: float | None) -> float | None:
     if to not in TARGETS:
         raise NormswapError(f"unknown target '{to}': choose rmsnorm or prmsnorm")
     if to == "prmsnorm":
@@ -61,19 +54,41 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
         except ValueError as e:
             raise NormswapError(str(e)) from None
     elif p is not None:
-        raise NormswapError("p applies only to --to prmsnorm")
-    method_fn = method if callable(method) else get_method(method)  # a callable: normswap.stream's
+        raise NormswapError("p applies only to `to='prmsnorm'`")
+    return p
+
+
+def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
+            filter_fn: FilterFn | None = None) -> ConversionReport:
+    """Replace every LayerNorm over the last dim of `model` by RMSNorm (or pRMSNorm), in place.
+
+    method: "auto" (default: exact where the traced plan allows it, else naive with a warning), "exact"
+    (function-preserving, verified; refuses what it cannot do) or "naive" (bias dropped, the paper's swap).
+    filter_fn(module, name) -> bool limits which norms are touched. Running it again on a converted
+    model is a no-op.
+    """
+    return convert_with(model, to, method, p, filter_fn)[0]
+
+
+def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
+                 filter_fn: FilterFn | None = None,
+                 steps: ExactSteps | None = None) -> tuple[ConversionReport, MethodResult | None]:
+    """`convert`, with the exact method's `steps` given (default: in memory); (report, what the method did,
+    None when there was nothing to convert)."""
+    p = _check_target(to, p)
+    if method not in METHODS:
+        raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(METHODS))}")
     sites, skipped, rms = find_norms(model, filter_fn)
     report = ConversionReport(to=to, method=method, p=p, already_rms=rms,
                               skipped=[vars(s) for s in skipped])
     if not sites:
-        return report
+        return report, None
     for site in sites:  # before any edit: RMSNorm refuses eps <= 0 (NaN on an all-zero row)
         try:
             check_eps(site.eps)
         except ValueError as e:
             raise NormswapError(f"{site.name}: {e}") from None
-    result = method_fn(model, sites)
+    result = METHODS[method](model, sites, steps)
     report.method = result.method
     report.added_biases = result.added_biases
     report.warnings += result.warnings
@@ -85,4 +100,4 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     _record(model, report)
     result.after_swap(model, report)
-    return report
+    return report, result

@@ -41,19 +41,21 @@ config.normswap filled): discard it or reload; the CLI saves only after success.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.norms import PartialRMSNorm, is_rms_norm
-from normswap.parity import Reference, compare_to, reference_outputs, sample_inputs
+from normswap.models.inputs import sample_inputs
+from normswap.models.introspect import norm_kind
+from normswap.norms import PartialRMSNorm
+from normswap.parity import Reference, compare_to, reference_outputs
+from normswap.surgery.algebra import centre_outputs, fold_bias, fold_scale
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
-from normswap.surgery.methods import MethodResult, naive, register_method
-from normswap.surgery.plan import NormPlan, Plan, Step, derive  # noqa: F401  (Step: for callers)
+from normswap.surgery.methods import ExactSteps, MethodResult, naive
+from normswap.surgery.plan import NormPlan, Plan, Step, derive
 from normswap.surgery.trace import trace
-from normswap.surgery.walk import NormSite, ensure_bias
+from normswap.surgery.walk import NormSite
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 PARTIAL_WARNING = ("pRMSNorm estimates the RMS from a subset of features: biases are folded exactly but the "
@@ -77,7 +79,7 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) ->
         except Exception as e:  # a model sample_inputs cannot feed
             return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({_line(e)})")
                          for s in sites}, [])
-    norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or is_rms_norm(m)}
+    norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
     try:
         t = trace(model, inputs, norms | {s.name for s in sites})
     except Exception as e:  # the forward itself failed: say so instead of a traceback
@@ -86,94 +88,22 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) ->
     return derive(model, t, sites)
 
 
-def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], plan_fn, apply) -> MethodResult:
-    """Methods "exact" and "auto" (in memory and streaming alike): apply(model, sites, plan) where
-    plan_fn(model, sites) finds the model exact; else refuse ("exact") or naive with a warning ("auto")."""
+def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
+    """Methods "exact" and "auto" (in memory and streaming alike): steps.apply(model, sites, plan) where
+    steps.plan(model, sites) finds the model exact; else refuse ("exact") or naive with a warning ("auto")."""
     try:
-        p = plan_fn(model, sites)
+        p = steps.plan(model, sites)
         if p.reason:
             raise NotExact(p.reason)
     except NotExact as e:
         if method == "exact":
-            raise NormswapError(f"cannot convert exactly: {e}; alternatives: --method naive (drops the biases; "
-                                "heal by fine-tuning) or --method auto") from None
+            raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
+                                "heal by fine-tuning) or `method='auto'`") from None
         result = naive(model, sites)
         result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
                                "and changes outputs: measure the change and heal (fine-tune)")
         return result
-    return apply(model, sites, p)
-
-
-def _update(param: torch.Tensor, value: torch.Tensor) -> None:
-    param.copy_(value.to(param.dtype))
-
-
-# fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the
-# size of the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's
-# largest mmap threshold (32 MB), so each is returned to the OS when freed; measured, 16 and 32 MB slices were
-# kept on the heap and the process grew by ~250 MB anyway.
-_CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
-
-
-def _slices(w: torch.Tensor, dim: int):
-    """Views of w along `dim`, each of about _CHUNK elements (every slice keeps the other dim whole)."""
-    step = max(1, _CHUNK // max(1, w.shape[1 - dim]))
-    return w.split(step, dim)
-
-
-def _centre(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
-    """t with zero mean over consecutive groups of `group` entries along `dim`, in float64."""
-    x = t.double().movedim(dim, -1)
-    g = group if group and x.shape[-1] % group == 0 else x.shape[-1]
-    x = x.unflatten(-1, (-1, g))
-    return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
-
-
-def _centre_in_place(t: torch.Tensor, dim: int, group: int) -> None:
-    """_centre, written back; a 2-D weight a slice at a time (each slice whole along `dim`)."""
-    for part in (_slices(t, 1 - dim) if t.dim() == 2 else [t]):
-        _update(part, _centre(part, dim, group))
-
-
-def _centre_step(model: nn.Module, target: str, group: int) -> None:
-    """Make every output of a layer (or a parameter added to the stream) zero-mean per group."""
-    if target.startswith("param:"):
-        param = model.get_parameter(target[6:])
-        _centre_in_place(param, param.dim() - 1, group)
-        return
-    layer = model.get_submodule(target)
-    dim = 1 if isinstance(layer, nn.Embedding) or type(layer).__name__ == "Conv1D" else 0
-    _centre_in_place(layer.weight, dim, group)
-    if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
-        _update(layer.bias, _centre(layer.bias, 0, group))
-
-
-def _scale_layer(layer: nn.Module, lam: torch.Tensor) -> None:
-    """layer's outputs *= lam (per output channel)."""
-    dim = 1 if type(layer).__name__ == "Conv1D" else 0
-    shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
-    _update(layer.weight, layer.weight.double() * lam.double().view(shape))
-    if getattr(layer, "bias", None) is not None:
-        _update(layer.bias, layer.bias.double() * lam.double())
-
-
-def _fold_scale(scale: nn.Module, layer: nn.Module) -> None:
-    """layer's outputs *= the scale's parameter, which becomes 1 (LayerScale folded into the layer)."""
-    lam = next(scale.parameters())
-    _scale_layer(layer, lam)
-    lam.fill_(1.0)
-
-
-def _fold(layer: nn.Module, b: torch.Tensor) -> bool:
-    """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
-    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
-        shift = torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
-    else:                              # Conv1D (in, out): b W summed over row blocks
-        n = max(1, _CHUNK // layer.weight.shape[1])
-        shift = sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
-    bias, created = ensure_bias(layer)
-    _update(bias, bias.double() + shift)
-    return created
+    return steps.apply(model, sites, p)
 
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
@@ -271,12 +201,12 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
     inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
-            _centre_step(model, step.target, step.group)
+            centre_outputs(model, step.target, step.group)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
-            added += [step.target] if _fold(model.get_submodule(step.target), b) else []
+            added += [step.target] if fold_bias(model.get_submodule(step.target), b) else []
         elif step.op == "scale":
-            _fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
+            fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
         elif step.norm == "input":
             inputs.append(step.target)
         else:   # output fixes wait for the swap
@@ -284,13 +214,21 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
     return ExactResult(reference, fixes, inputs, bias=bias_fates(p), added_biases=added)
 
 
-@register_method("exact")
-def exact(model: nn.Module, sites: list[NormSite]) -> MethodResult:
+class InMemory:
+    """The exact method's steps on a model in memory: trace it, edit its weights (see `ExactSteps`)."""
+
+    def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
+        return plan(model, sites)
+
+    def apply(self, model: nn.Module, sites: list[NormSite], p: Plan) -> MethodResult:
+        return convert_exact(model, sites, p)
+
+
+def exact(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """Function-preserving: centre the residual writers, fold norm biases, verify after the swap."""
-    return plan_or_naive("exact", model, sites, plan, convert_exact)
+    return plan_or_naive("exact", model, sites, steps or InMemory())
 
 
-@register_method("auto")
-def auto(model: nn.Module, sites: list[NormSite]) -> MethodResult:
+def auto(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """exact where the trace shows it possible, otherwise naive with a warning."""
-    return plan_or_naive("auto", model, sites, plan, convert_exact)
+    return plan_or_naive("auto", model, sites, steps or InMemory())

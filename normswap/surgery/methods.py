@@ -1,16 +1,18 @@
 """Conversion methods: how a LayerNorm's bias (and the rest of the model) is handled before the swap.
 
 A method takes the model and the LayerNorms found by the walk, may rewrite weights, and says what it
-did per norm. The walk and the module swap are the same for every method (see `convert`).
+did per norm. The walk and the module swap are the same for every method (see `convert`). "naive" is
+here; "exact" and "auto" are in `exact`, and take the `ExactSteps` that plan and apply the exact edits
+(in memory by default; `checkpoint.stream` records them instead, to apply while it writes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Protocol
 
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.surgery.plan import Plan
 from normswap.surgery.walk import NormSite
 
 
@@ -26,29 +28,15 @@ class MethodResult:
         """Called by `convert` once the norms are swapped (exact finishes and verifies here)."""
 
 
-MethodFn = Callable[[nn.Module, list[NormSite]], MethodResult]
-_METHODS: dict[str, MethodFn] = {}
+class ExactSteps(Protocol):
+    """How the exact method plans a model and applies the plan."""
+
+    def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan: ...
+
+    def apply(self, model: nn.Module, sites: list[NormSite], plan: Plan) -> MethodResult: ...
 
 
-def register_method(name: str):
-    def deco(fn: MethodFn) -> MethodFn:
-        _METHODS[name] = fn
-        return fn
-    return deco
-
-
-def get_method(name: str) -> MethodFn:
-    if name not in _METHODS:
-        raise NormswapError(f"unknown method '{name}': choose one of {', '.join(sorted(_METHODS))}")
-    return _METHODS[name]
-
-
-def available_methods() -> list[str]:
-    return sorted(_METHODS)
-
-
-@register_method("naive")
-def naive(model: nn.Module, sites: list[NormSite]) -> MethodResult:
+def naive(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """The paper's swap: keep the gain, drop the bias. Changes the function wherever a bias is non-zero."""
     return MethodResult("naive", bias={s.name: "dropped" if s.bias is not None and s.bias_norm > 0 else "none"
                                        for s in sites})

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from normswap.models.introspect import is_linear
 from normswap.surgery.trace import Trace
 from normswap.surgery.walk import NormSite
 
@@ -54,10 +55,6 @@ class Plan:
     def reason(self) -> str | None:
         reasons = [p.reason for p in self.norms.values() if p.reason]  # post-LN says the most: first
         return next((r for r in reasons if "post-LN" in r), reasons[0] if reasons else None)
-
-
-def is_linear(layer: nn.Module) -> bool:
-    return isinstance(layer, nn.Linear) or type(layer).__name__ == "Conv1D"  # transformers' (in, out) layer
 
 
 def _centrable(layer: nn.Module) -> bool:

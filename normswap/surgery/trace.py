@@ -6,9 +6,10 @@ is still such a sum ("pure") or went through another operation (then `opaque` na
 Sums, differences, scaling by scalars or per-token factors, dropout, reshapes, permutes, expands,
 indexing and concatenation along other dims keep a tensor pure: they keep each label's contribution
 zero-mean along the hidden dim if it was. So does a clamp to near the dtype's largest value (an fp16
-overflow guard): it is the identity on every value that has not overflowed already. Anything else makes it opaque; the first opaque operation on
-a pure tensor is recorded as a *use* of its labels. A leaf module reading a pure tensor is a use too,
-except a norm (it removes the mean) and a layer reading exactly one norm's output (a *reader*).
+overflow guard): it is the identity on every value that has not overflowed already. Anything else makes it
+opaque; the first opaque operation on a pure tensor is recorded as a *use* of its labels. A leaf module
+reading a pure tensor is a use too, except a norm (it removes the mean) and a layer reading exactly one norm's
+output (a *reader*).
 
 A slice that drops the hidden dim (BART's `embed_positions(inputs_embeds[..., -1])`, "just for the
 shape") is a use only once its values are read: a later call that takes it, inside a leaf module or not,
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from normswap.models.introspect import is_conv1d
+from normswap.parity import main_output
 
 PASS = {"view", "reshape", "permute", "transpose", "contiguous", "to", "float", "half", "bfloat16", "double",
         "type", "type_as", "clone", "dropout", "expand", "expand_as", "flatten", "unflatten", "squeeze",
@@ -52,13 +56,14 @@ class Trace:
     scales: dict[str, tuple[frozenset, str | None]] = field(default_factory=dict)       # LayerScale -> input
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in obj, a tensor or a (nested) list, tuple or dict of them."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
+        return [t for o in obj for t in tensors_in(o)]
     if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
+        return [t for o in obj.values() for t in tensors_in(o)]
     return []
 
 
@@ -91,8 +96,8 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
-        if self.pending and name not in IGNORE and (name != "__get__" or _tensors(out)):  # values read
-            for x in _tensors((args, kwargs)):
+        if self.pending and name not in IGNORE and (name != "__get__" or tensors_in(out)):  # values read
+            for x in tensors_in((args, kwargs)):
                 self.read(x)
         if self.inside is None and name not in IGNORE:
             self.record(name, args, kwargs, out)
@@ -106,8 +111,8 @@ class _Recorder(TorchFunctionMode):
             self.use(held[1], held[2])
 
     def record(self, name: str, args, kwargs, out) -> None:
-        outs = _tensors(out)
-        ins = [(x, self.get(x)) for x in _tensors((args, kwargs))]
+        outs = tensors_in(out)
+        ins = [(x, self.get(x)) for x in tensors_in((args, kwargs))]
         tracked = [(x, i) for x, i in ins if i is not None]
         if not outs or not tracked:
             return
@@ -127,14 +132,14 @@ class _Recorder(TorchFunctionMode):
     def entry(self, name: str, args, kwargs) -> None:
         """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
         "entry:<block>", centred by a pre-hook on the block if a norm reads it."""
-        x = next(iter(_tensors((args, kwargs))), None)
+        x = next(iter(tensors_in((args, kwargs))), None)
         info = None if x is None else self.get(x)
         if self.inside is None and info is not None and info[1] and x.dim() > 1:
             self.set(x, frozenset({"entry:" + name}), None)
 
     # Leaf-module hooks.
     def pre(self, name: str, module: nn.Module, args, kwargs) -> None:
-        x = next(iter(_tensors((args, kwargs))), None)
+        x = next(iter(tensors_in((args, kwargs))), None)
         info = None if x is None else self.get(x)
         if name in self.norms:
             if info is not None:
@@ -154,7 +159,7 @@ class _Recorder(TorchFunctionMode):
 
     def post(self, name: str, module: nn.Module, out) -> None:
         self.inside = None
-        first = next(iter(_tensors(out)), None)
+        first = next(iter(tensors_in(out)), None)
         if first is not None:
             self.set(first, frozenset({("norm:" if name in self.norms else "layer:") + name}), None)
 
@@ -170,7 +175,7 @@ def _in_width(module: nn.Module) -> int:
     w = getattr(module, "weight", None)
     if isinstance(module, nn.Linear):
         return module.in_features
-    if type(module).__name__ == "Conv1D":
+    if is_conv1d(module):
         return w.shape[0]
     return -1
 
@@ -184,7 +189,7 @@ def _why_not_pure(name, args, kwargs, ins, outs) -> str | None:
     if name in PASS:
         if name in ("cat", "concat", "concatenate", "stack"):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            parts = _tensors(args[0])
+            parts = tensors_in(args[0])
             if any(i is None for x, i in ins if any(x is p for p in parts)):
                 return f"{name} with an untracked tensor"
             if name != "stack" and dim in (-1, parts[0].dim() - 1):
@@ -224,7 +229,6 @@ def _overflow_guard(args, kwargs) -> bool:
 @torch.no_grad()
 def trace(model: nn.Module, inputs: dict, norms: set[str]) -> Trace:
     """Run `model(**inputs)` once in eval mode and record its dataflow; `norms` are the norm modules."""
-    from normswap.parity import main_output
     rec = _Recorder(model, norms)
     handles = []
     for name, module in model.named_modules():

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from normswap.norms import is_rms_norm
+from normswap.models.introspect import config_int, norm_kind
 from normswap.surgery.probe import NotLayerNorm, probe
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -55,21 +55,11 @@ class Skipped:
     reason: str
 
 
-def _hidden_width(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    for key in ("hidden_size", "d_model", "n_embd", "hidden_dim"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return None
-
-
 def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str | None]:
     """(width to probe, None) for a possible LayerNorm; (None, reason) to skip it; (None, None): not one."""
-    cls = type(module).__name__
     own = dict(module.named_parameters(recurse=False))
     leaf = next(module.children(), None) is None
-    # a LayerNorm class has no submodules (Wav2Vec2LayerNormConvLayer is a block, not a norm)
-    named = isinstance(module, nn.LayerNorm) or leaf and "layernorm" in cls.lower()
+    named = norm_kind(module) == "layernorm"
     leaf = leaf and ("weight" in own or "bias" in own) and all(p.dim() == 1 for p in own.values())
     vectors = list(own.values())
     if not (named or leaf):
@@ -99,12 +89,12 @@ def find_norms(model: nn.Module, filter_fn: FilterFn | None = None):
     sites: list[NormSite] = []
     skipped: list[Skipped] = []
     rms: list[str] = []
-    hidden = _hidden_width(model)
+    hidden = config_int(getattr(model, "config", None), "hidden")
     for name, module in model.named_modules():
         if any(name.startswith(s.name + "." if s.name else "") for s in sites):
             continue  # inside a norm already found: replaced with it
         cls = type(module).__name__
-        if is_rms_norm(module):
+        if norm_kind(module) == "rmsnorm":
             rms.append(name)
             continue
         width, reason = _candidate(module, hidden)
@@ -135,13 +125,3 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     """Put `new` where the submodule `name` is."""
     parent_name, _, child = name.rpartition(".")
     setattr(get_module(model, parent_name), child, new)
-
-
-def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
-    """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
-    if getattr(layer, "bias", None) is not None:
-        return layer.bias, False
-    w = layer.weight
-    out_features = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # Conv1D stores (in, out)
-    layer.bias = nn.Parameter(torch.zeros(out_features, device=w.device, dtype=w.dtype))
-    return layer.bias, True

@@ -1,0 +1,251 @@
+"""Safetensors checkpoints in the Hugging Face layout, one file or sharded with an index, read and written
+a tensor at a time.
+
+Reading copies a tensor into its own anonymous memory (`Reader`), or maps it copy-on-write from the file
+(`Reader(path, mapped=True)`: no copy, no page zeroing; streaming reads every tensor several times, and
+this made its reads 50x cheaper). Either way only the tensors asked for are resident, and freeing one
+returns its memory at once. Writing plans the shards from tensor sizes first (names and shapes are known before any
+value is), writes each file's header, then appends each tensor's bytes as it is produced: peak memory is
+one tensor, not one shard. Files are `model.safetensors`, or `model-0000i-of-0000n.safetensors` plus
+`model.safetensors.index.json` (`metadata.total_size`, `weight_map`), as transformers writes them.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_CODES = {v: k for k, v in _DTYPES.items()}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in "5GB", "500MB", "2GiB" or an int (transformers' units: GB = 10^9)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m or float(m.group(1)) <= 0:
+        raise NormswapError(f"bad shard size '{size}': use e.g. 5GB, 500MB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def total_bytes(specs: list[tuple[str, torch.dtype, list[int]]]) -> int:
+    """Bytes of the tensors `specs` (name, dtype, shape) describe."""
+    return sum(nbytes(shape, dtype) for _, dtype, shape in specs)
+
+
+def has_weights(path: str | Path) -> bool:
+    return (Path(path) / WEIGHTS).exists() or (Path(path) / INDEX).exists()
+
+
+class Reader:
+    """Tensors of a checkpoint folder (`model.safetensors` or an index), read one at a time."""
+
+    def __init__(self, path: str | Path, mapped: bool = False):
+        path, self.mapped = Path(path), mapped
+        if (path / INDEX).exists():
+            try:
+                weight_map = json.loads((path / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise NormswapError(f"{path / INDEX} is not a safetensors index (no weight_map)") from None
+            files = sorted(set(weight_map.values()))
+        elif (path / WEIGHTS).exists():
+            files = [WEIGHTS]
+        else:
+            raise NormswapError(f"{path} has no {WEIGHTS} nor {INDEX}")
+        self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
+        for name in files:
+            file = path / name
+            if not file.exists():
+                raise NormswapError(f"{path}: shard {name} listed in {INDEX} is missing")
+            for key, (dtype, shape, start, end) in _header(file).items():
+                self.entries[key] = (file, dtype, shape, start, end)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def meta(self, key: str) -> tuple[torch.dtype, list[int]]:
+        return self.entries[key][1], self.entries[key][2]
+
+    def get(self, key: str) -> torch.Tensor:
+        file, dtype, shape, start, end = self.entries[key]
+        if self.mapped and end > start:
+            return _mapped(file, key, dtype, shape, start, end)
+        # An anonymous mmap, not the heap: freeing the tensor returns the memory to the system at once
+        # (glibc keeps freed heap blocks of a few MB, which made RSS drift up to the model's size).
+        buf = mmap.mmap(-1, end - start) if end > start else bytearray()
+        with open(file, "rb") as f:
+            f.seek(start)
+            if f.readinto(buf) != len(buf):
+                raise NormswapError(f"{file} is truncated (tensor {key})")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def total_size(self) -> int:
+        return sum(e[4] - e[3] for e in self.entries.values())
+
+
+def _mapped(file: Path, key: str, dtype: torch.dtype, shape: list[int], start: int, end: int) -> torch.Tensor:
+    """The tensor's bytes mapped copy-on-write (ACCESS_COPY): edits stay private, the file is never
+    written. The mapping lives as long as the tensor; a file replaced on disk meanwhile (rename) keeps
+    the old bytes, since the mapping holds the old inode."""
+    offset = start - start % mmap.ALLOCATIONGRANULARITY
+    with open(file, "rb") as f:
+        if os.fstat(f.fileno()).st_size < end:
+            raise NormswapError(f"{file} is truncated (tensor {key})")
+        buf = mmap.mmap(f.fileno(), end - offset, access=mmap.ACCESS_COPY, offset=offset)
+    return torch.frombuffer(buf, dtype=dtype, offset=start - offset,
+                            count=(end - start) // dtype.itemsize).reshape(shape)
+
+
+def raw_header(file: Path) -> bytes:
+    """The JSON header of a safetensors file, as stored (tensor names, dtypes, shapes, offsets)."""
+    with open(file, "rb") as f:
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+        except struct.error:
+            raise NormswapError(f"{file} is not a safetensors file") from None
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise NormswapError(f"{file} is not a safetensors file")
+        return f.read(n)
+
+
+def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header."""
+    raw = raw_header(file)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise NormswapError(f"{file} is not a safetensors file") from None
+    n = len(raw)
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise NormswapError(f"{file}: unsupported dtype {info['dtype']} for {key}")
+        start, end = info["data_offsets"]
+        out[key] = (_DTYPES[info["dtype"]], info["shape"], 8 + n + start, 8 + n + end)
+    return out
+
+
+def plan_shards(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size: int | str) -> list[list[int]]:
+    """Split tensors (in order) into shards of at most max_shard_size bytes (a bigger tensor: alone)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, dtype, shape) in enumerate(specs):
+        n = nbytes(shape, dtype)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return shards
+
+
+def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tensors: Iterable[torch.Tensor],
+          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """Write tensors (yielded in the order of `specs`: name, dtype, shape) to `out`; the file names.
+
+    Each tensor is written as soon as it is yielded and can be freed afterwards.
+    """
+    out = Path(out)
+    shards = plan_shards(specs, max_shard_size)
+    names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                 for i in range(len(shards))]
+    stream: Iterator[torch.Tensor] = iter(tensors)
+    weight_map = {}
+    for fname, idx in zip(names, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for i in idx:
+            key, dtype, shape = specs[i]
+            n = nbytes(shape, dtype)
+            header[key] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+            weight_map[key] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        with open(out / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for i in idx:
+                key, dtype, shape = specs[i]
+                t = next(stream)
+                if t.dtype != dtype or list(t.shape) != list(shape):
+                    raise NormswapError(f"internal: {key} is {t.dtype} {list(t.shape)}, "
+                                        f"planned {dtype} {list(shape)}")
+                if t.numel():  # the tensor's own bytes, no copy
+                    f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
+                del t
+    # Run a generator to its end: code after its last yield frees what it read for that tensor.
+    if next(stream, None) is not None:
+        raise NormswapError("internal: more tensors than planned")
+    if len(names) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes(specs)}, "weight_map": weight_map},
+                                            indent=2) + "\n")
+    return names
+
+
+def aliases(model: nn.Module) -> dict[str, str]:
+    """state_dict name -> the name it is saved under: tied tensors are saved once, under their first name."""
+    first: dict[int, str] = {}
+    out = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        out[name] = first.setdefault(id(t), name)
+    return out
+
+
+def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of what `save_model` writes, in state_dict order (works on meta models)."""
+    alias = aliases(model)
+    return [(k, v.dtype, list(v.shape)) for k, v in model.state_dict().items() if alias.get(k, k) == k]
+
+
+def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+               tensors: Iterable[torch.Tensor] | None = None) -> list[str]:
+    """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size; `tensors`,
+    if given, are the values to write in `saved_specs(model)` order (computed as they are written)."""
+    specs = saved_specs(model)
+    check_space(out, total_bytes(specs))
+    if tensors is None:
+        state = model.state_dict()
+        tensors = (state[k] for k, _, _ in specs)
+    return write(out, specs, tensors, max_shard_size)
+
+
+def check_space(out: str | Path, needed: int) -> None:
+    """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on.
+    `out` need not exist yet: the space is measured at its nearest existing folder, where it will land."""
+    import shutil
+    where = Path(out).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {needed / 1e9:.2f} GB, "
+                            f"{free / 1e9:.2f} GB are free; nothing was written")

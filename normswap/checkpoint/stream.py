@@ -1,0 +1,224 @@
+"""Convert a safetensors checkpoint folder without loading the model: bounded memory, bit-identical result.
+
+1. The model is built on the meta device (buffers real); only 1-D tensors (norm gains/biases, layer
+   biases: O(layers x width)) are read, so `find_norms`, the exact plan and `convert` itself run as in
+   memory: the norms are swapped, biases created, output fixes and config.normswap recorded, and the
+   exact method records which layer gets which edit instead of doing it (`Deferred`).
+2. The output is written tensor by tensor in state_dict order (`safetensors.write`): an edited layer's
+   weights are read, edited by the in-memory algebra (`surgery.algebra`), written and put back on meta;
+   other tensors are copied through. Peak: a few of the largest tensors.
+3. Verification runs the original folder and the written one on the sample inputs through lazy models:
+   each module's tensors are mapped from the file (copy-on-write) just before its forward and dropped
+   after it (`lazy.Lazy`).
+
+The plan is `exact.plan`'s, from one traced forward of the meta model whose modules read their weights
+from the checkpoint just for their own forward: the same plan as in memory, in bounded memory.
+"""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from normswap import progress
+from normswap.checkpoint import safetensors
+from normswap.checkpoint.lazy import Lazy, LoadOnUse, trim
+from normswap.checkpoint.meta import check_folder, skeleton
+from normswap.errors import NormswapError
+from normswap.models.inputs import sample_inputs
+from normswap.models.load import load_tokenizer
+from normswap.models.rebuild import apply_structure, base_config
+from normswap.models.save import save_pretrained
+from normswap.models.source import DTYPES, read_config
+from normswap.parity import Parity, compare, refuse_nonfinite
+from normswap.surgery.algebra import centre_outputs, ensure_bias, fold_bias, scale_outputs
+from normswap.surgery import exact
+from normswap.surgery.convert import convert_with
+from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
+from normswap.surgery.methods import MethodResult
+from normswap.surgery.plan import Plan
+from normswap.surgery.report import ConversionReport
+
+
+def streamable(src: str) -> bool:
+    """True for a local folder of plain (not yet converted) safetensors weights."""
+    path = Path(src).expanduser()
+    if not (path.is_dir() and (path / "config.json").exists() and safetensors.has_weights(path)):
+        return False
+    return not read_config(path).get("normswap")
+
+
+class DeferredResult(MethodResult):
+    """What the exact method would do, recorded per layer (`edits`) for the streaming pass."""
+
+    def __init__(self, edits: dict[str, list], fixes: dict, inputs: list[str], **kw):
+        super().__init__("exact", **kw)
+        self.edits, self.fixes, self.inputs = edits, fixes, inputs
+
+    def after_swap(self, model: nn.Module, report) -> None:
+        install_fixes(model, self.fixes, self.inputs)
+
+
+class Deferred:
+    """The exact method's steps (`surgery.methods.ExactSteps`) on a lazy model: planned by one traced forward
+    that reads each module's weights just before it runs; applied by recording each layer's edits."""
+
+    def __init__(self, lazy: Lazy, inputs: dict):
+        self.lazy, self.inputs = lazy, inputs
+
+    def plan(self, model: nn.Module, sites) -> Plan:
+        handles = self.lazy.attach(model)
+        try:
+            with LoadOnUse(self.lazy):
+                return exact.plan(model, sites, self.inputs)
+        finally:
+            for h in handles:
+                h.remove()
+            self.lazy.free_all()
+
+    @torch.no_grad()
+    def apply(self, model: nn.Module, sites, p: Plan) -> DeferredResult:
+        """`exact.convert_exact`'s steps, recorded per module instead of applied (same order, so the same
+        bits). Norm biases and LayerScale parameters are 1-D, hence already real on the meta model."""
+        edits: dict[str, list] = {}
+        fixes: dict = {}
+        added: list[str] = []
+        inputs: list[str] = []
+        for step in p.steps:
+            if step.op == "centre":
+                owner = step.target[6:].rpartition(".")[0] if step.target.startswith("param:") else step.target
+                edits.setdefault(owner, []).append(("centre", step))
+            elif step.op == "fold":
+                b = model.get_submodule(step.norm).bias.detach().double()
+                layer = model.get_submodule(step.target)
+                _, created = ensure_bias(layer)  # on meta: the pass below fills it
+                if created:
+                    added.append(step.target)
+                    self.lazy.new.add(f"{step.target}.bias")
+                edits.setdefault(step.target, []).append(("fold", b))
+            elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
+                lam = next(model.get_submodule(step.target).parameters())
+                edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
+                lam.fill_(1.0)
+            elif step.norm == "input":
+                inputs.append(step.target)
+            else:
+                fixes[step.target] = output_fix(model, step)
+        return DeferredResult(edits, fixes, inputs, bias=bias_fates(p), added_biases=added)
+
+
+def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list]):
+    """Yield the converted model's tensors in `specs` order; edited layers are read, edited, dropped."""
+    left: dict[str, int] = {}
+    for key, _, _ in specs:
+        owner = key.rpartition(".")[0]
+        if owner in edits:
+            left[owner] = left.get(owner, 0) + 1
+    with torch.no_grad():
+        for key, dtype, _ in specs:
+            owner, _, attr = key.rpartition(".")
+            module = model.get_submodule(owner)
+            if owner in edits and edits[owner] is not None:
+                lazy.load(model, owner)
+                for op, arg in edits[owner]:
+                    if op == "fold":
+                        fold_bias(module, arg)
+                    elif op == "scale":
+                        scale_outputs(module, arg)
+                    else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
+                        centre_outputs(model, arg.target, arg.group)
+                edits[owner] = None  # done: never edit twice
+            t = getattr(module, attr)
+            if t.is_meta:
+                t = lazy.read(key, dtype)
+                if t is None:
+                    raise NormswapError(f"{key} is not in the checkpoint")
+            yield t
+            if owner in left:
+                left[owner] -= 1
+                if not left[owner]:
+                    lazy.free(module, min_dim=2)
+                    trim()   # the edits' float64 temporaries
+
+
+def _sample_inputs(model: nn.Module) -> list[dict]:
+    """`sample_inputs` for a model whose parameters are on meta: the inputs go to the CPU."""
+    dtype = next(model.parameters()).dtype
+    stand_in = types.SimpleNamespace(config=model.config, main_input_name=getattr(model, "main_input_name", ""),
+                                     parameters=lambda: iter([torch.empty(0, dtype=dtype)]), forward=model.forward)
+    return sample_inputs(stand_in)
+
+
+def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False) -> Parity:
+    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
+    raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
+    config, cls = base_config(raw, raw["normswap"], str(out))
+    converted = skeleton(out, config, dtype, cls)
+    apply_structure(converted, raw["normswap"])
+    reference = skeleton(src, None, dtype)
+    inputs = _sample_inputs(reference)
+    total = len(inputs) * (safetensors.Reader(src).total_size() + safetensors.Reader(out).total_size())
+    with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
+        lazies = []
+        for model, folder in ((reference, src), (converted, out)):
+            lazies.append(Lazy(model, safetensors.Reader(folder, mapped=True), bar))
+            lazies[-1].attach(model.float())
+        with LoadOnUse(*lazies):
+            return compare(reference, converted, inputs)
+
+
+class _Verification:
+    """The check `save_pretrained` runs on the written folder before it replaces OUT: parity against the
+    source, judged for an exact conversion (kept in `parity`)."""
+
+    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool):
+        self.src, self.report, self.dtype, self.show_progress = src, report, dtype, show_progress
+        self.parity: Parity | None = None
+
+    def __call__(self, folder: Path) -> None:
+        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress)
+        refuse_nonfinite(self.parity)
+        if self.report.method == "exact":
+            self.report.verification = judge(self.parity, self.dtype, enforce=self.report.to == "rmsnorm")
+
+
+def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
+                   p: float | None = None, dtype: str | None = None, overwrite: bool | str = False,
+                   max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
+                   show_progress: bool = False) -> tuple[ConversionReport, Parity | None]:
+    """Convert the safetensors folder `src` into `out` in bounded memory; (report, parity).
+
+    Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
+    verified on sample inputs before `out` appears. Raises `lazy.NotStreamable` (before anything is
+    written) for a folder that converts only in memory.
+    """
+    src = Path(src).expanduser()
+    try:
+        model = skeleton(src, None, DTYPES[dtype] if dtype else None)
+    except Exception as e:  # as load_model says it: one line
+        raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
+    if (src / "generation_config.json").exists():  # as from_pretrained does
+        model.generation_config = GenerationConfig.from_pretrained(src)
+    lazy = Lazy(model, safetensors.Reader(src, mapped=True))
+    check_folder(model, lazy, src)
+    for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
+        lazy.load(model, name, max_dim=1, keep=True)
+    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)[0]))
+    if not report.converted:
+        return report, None
+    edits = result.edits if isinstance(result, DeferredResult) else {}
+    specs = safetensors.saved_specs(model)
+    stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
+    verification = _Verification(src, report, stored, show_progress)
+    with progress.bar(total=safetensors.total_bytes(specs), desc="convert", unit="B", unit_scale=True,
+                      enabled=show_progress) as bar:
+        lazy.bar = bar
+        save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,
+                        max_shard_size=max_shard_size, check=verification,
+                        tensors=_edited_tensors(model, lazy, specs, edits))
+    if to == "prmsnorm" and report.method == "exact":
+        report.warnings.append(PARTIAL_WARNING)
+    return report, verification.parity

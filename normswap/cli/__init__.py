@@ -1,0 +1,13 @@
+"""The `normswap` command line (click): the group and its error handling (app), shared options (options),
+one module per command family (convert: convert, inspect; heal: heal, eval; export: export), all
+registered in `commands`. Importing this package imports none of them until `main` is asked for."""
+from normswap.errors import one_line_interrupts
+from normswap.facade import lazy
+
+__getattr__, __dir__ = lazy(__name__, {"main": "normswap.cli.commands"})
+
+
+def run() -> None:
+    """Console-script entry point: a Ctrl-C while the heavy imports load is one line too, then the group."""
+    one_line_interrupts()
+    __getattr__("main")()

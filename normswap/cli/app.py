@@ -1,0 +1,80 @@
+"""The `normswap` command group: a thin shell over the Python API. Every failure is one line on stderr.
+
+Exit codes: 0 success, 1 runtime error, 2 usage error, 130 Ctrl-C, 143 SIGTERM.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import click
+
+from normswap.errors import Interrupted, NormswapError
+
+_NoArgs = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def _terminated(signum, frame):
+    raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class Group(click.Group):
+    """Turns every failure into one line on stderr and a non-zero exit, never a traceback."""
+
+    def main(self, *args, standalone_mode=True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except _NoArgs as e:  # plain `normswap`: the help, as before
+            click.echo(e.ctx.get_help())
+            sys.exit(0)
+        except click.UsageError as e:  # click would print usage + a hint + the error: three lines
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            click.echo(f"error: {_one_line(e.format_message())}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            click.echo(f"error: {_one_line(e.format_message())}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx):
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_term = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except NormswapError as e:
+            click.echo(f"error: {e.for_cli()}", err=True)
+        except KeyboardInterrupt as e:
+            e = Interrupted.after(e)
+            done = f"{', '.join(e.written)} written" if e.written else "nothing was written"
+            click.echo(f"interrupted: {done}", err=True)
+            sys.exit(128 + (e.signum if isinstance(e.signum, int) else 2))
+        except Exception as e:  # a bug of ours, still reported in one line
+            msg = str(e).splitlines()[0] if str(e) else ""
+            click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
+        sys.exit(1)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="normswap")
+@click.option("-q", "--quiet", "quiet", count=True,
+              help="No warnings, no progress bars (errors and the result still print).")
+@click.option("-v", "--verbose", "verbose", count=True, help="Also the libraries' info messages.")
+@click.pass_context
+def main(ctx, quiet, verbose):
+    """Turn a model's LayerNorms into RMSNorm, verify it, save it."""
+    ctx.obj = verbose - quiet   # the verbosity every command's `Shared` options read

@@ -1,0 +1,189 @@
+"""ONNX export with fused RMSNorm nodes, validated in onnxruntime before the file is moved into place.
+
+Exporter: torch.onnx.export(dynamo=True), with each RMSNorm lowered to one node by a custom
+translation table (translate.py). Why, as measured with torch 2.13 / onnxscript 0.7:
+- the legacy TorchScript exporter fails on aten::rms_norm ("not supported") and traces our
+  reference as Pow/ReduceMean/Sqrt/Div/Mul;
+- dynamo's own aten::rms_norm lowering gives x * Reciprocal(Sqrt(.)) below opset 23, a form ORT's
+  built-in SimplifiedLayerNormFusion does not match, and depends on which kernel the model calls;
+- the translation table yields exactly one fused node per norm with stash_type=1 (fp32 statistics)
+  whatever the dtype or the ops backend. onnxscript's rewrite rules then fold residual Adds into
+  SkipSimplifiedLayerNormalization and fuse other libraries' RMSNorms (fuse.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from normswap import owned
+from normswap.errors import NormswapError
+from normswap.export import wrap
+from normswap.export.report import ExportReport
+from normswap.models.introspect import is_rms_norm
+from normswap.norms import PartialRMSNorm
+from normswap.parity import main_output
+
+TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
+DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
+FP32_TOL = 1e-4
+FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
+EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
+
+def check_args(target: str, opset: int | None) -> int:
+    """The opset to export `target` with; one-line errors for missing packages, targets and opsets."""
+    missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise NormswapError(f"ONNX export needs {', '.join(missing)}: pip install 'normswap[onnx]'")
+    if target not in TARGETS:
+        raise NormswapError(f"unsupported target '{target}': choose one of {', '.join(TARGETS)}")
+    lo, hi = TARGETS[target]
+    opset = DEFAULT_OPSET[target] if opset is None else int(opset)
+    if not lo <= opset <= hi:
+        span = f"{lo}" if lo == hi else f"{lo}..{hi}"
+        raise NormswapError(f"opset {opset} is not supported for target '{target}': use {span}")
+    return opset
+
+
+def check_replaceable(path: Path, overwrite) -> None:
+    """An existing FILE is replaced only with overwrite, and only if normswap exported it (or "any")."""
+    path = Path(path).expanduser()
+    if path.exists() and (path.is_dir() or not overwrite):
+        raise NormswapError(f"{path} exists" + (" and is a folder" if path.is_dir() else
+                                                  ": pass `overwrite=True` to replace it"))
+    if path.exists() and overwrite != "any" and not owned.exported_onnx(path):  # never another tool's file
+        raise NormswapError(f"{path} is not an ONNX file normswap exported: pass `overwrite='any'` to replace it")
+
+
+def _staging_dir(path: Path, overwrite) -> Path:
+    check_replaceable(path, overwrite)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise NormswapError(f"cannot write to {path.parent}: not a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    except OSError as e:
+        raise NormswapError(f"cannot write to {path.parent}: {e.strerror or e}") from None
+
+
+def count_norms(model: nn.Module) -> dict[str, int]:
+    """Norms of `model` by kind, and how many are lowered to one fused node ("lowered")."""
+    from normswap.export import translate   # onnx is an optional extra: imported when exporting
+
+    mods = list(model.modules())
+    return {"rmsnorm": sum(is_rms_norm(m) and not isinstance(m, PartialRMSNorm) for m in mods),
+            "prmsnorm": sum(isinstance(m, PartialRMSNorm) for m in mods),
+            "layernorm": sum(isinstance(m, nn.LayerNorm) for m in mods),
+            "lowered": sum(translate.fusable(m) for m in mods)}
+
+
+def _main_output(model: nn.Module) -> str:
+    if getattr(model.config, "vocab_size", None) is None:
+        raise NormswapError(f"{type(model).__name__} does not take input_ids: only text models export")
+    ids = torch.zeros(1, 3, dtype=torch.long, device=next(model.parameters()).device)
+    with torch.no_grad():
+        name, _ = main_output(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
+    if name in ("logits", "last_hidden_state"):
+        return name
+    raise NormswapError(f"{type(model).__name__} returns neither logits nor last_hidden_state")
+
+
+def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, target: str, opset: int):
+    """torch.onnx (dynamo) with norms lowered to fused nodes, then the library fusions; an ONNXProgram."""
+    from normswap.export import fuse, translate   # onnx is an optional extra: imported when exporting
+
+    args, dyn = wrap.example(model, with_past)
+    names_in, names_out = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
+                                        positions=wrap.takes_positions(model))
+    with translate.lowered_norms(model), warnings.catch_warnings(), \
+            contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        log = logging.getLogger("torch.onnx")
+        level, log.level = log.level, logging.ERROR  # "torchvision is not installed" notices
+        try:
+            prog = torch.onnx.export(wrapper, args, dynamo=True, opset_version=opset, input_names=names_in,
+                                     output_names=names_out, dynamic_shapes=dyn, verbose=False,
+                                     optimize=False,
+                                     custom_translation_table=translate.translation_table(target, opset))
+        except Exception as e:
+            summary = [ln for ln in str(e).splitlines() if ln.startswith("<class")]
+            raise NormswapError(f"torch.onnx export failed: {(summary or [str(e)])[-1][:300]}") from None
+        finally:
+            log.setLevel(level)
+    # torch's optimize=True also runs onnxscript's opset-23 fusions, whose RotaryEmbedding breaks in
+    # ORT for batch > 1 (cos/sin cache keeps batch 1): run the same optimiser without those fusions.
+    import onnxscript.optimizer
+    onnxscript.optimizer.optimize_ir(prog.model)
+    rewrites = fuse.fuse(prog.model, target)
+    wrap.name_axes(prog.model, with_past)
+    return prog, rewrites
+
+
+def _weight_bytes(model: nn.Module, fp16: bool) -> int:
+    return sum(p.numel() * (2 if fp16 and p.is_floating_point() else p.element_size()) for p in model.parameters())
+
+
+def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
+           validate: bool, external_data_bytes: int) -> ExportReport:
+    """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`."""
+    from normswap.export.validate import validate_export   # onnx is an optional extra
+
+    was_training = model.training
+    model.eval()
+    try:
+        reference = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
+        work = copy.deepcopy(reference).half() if fp16 else reference
+        output = _main_output(reference)
+        if with_past and (output != "logits" or not wrap.is_decoder(reference)):
+            raise NormswapError("`with_past=True` needs a decoder-only language model (with logits and a KV cache)")
+        wrapper = wrap.WithPast(work) if with_past else wrap.Plain(work, output)
+        report = ExportReport(str(final), target, opset, fp16, with_past, output, norms=count_norms(work))
+        prog, report.rewrites = _export(wrapper, work, with_past, output, target, opset)
+        prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16)})
+        # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
+        report.external_data = _weight_bytes(work, fp16) > external_data_bytes
+        prog.save(staged, external_data=report.external_data)
+        if validate:
+            validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
+    finally:
+        model.train(was_training)
+    return report
+
+
+def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
+                with_past: bool = False, opset: int | None = None, overwrite: bool = False,
+                validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> ExportReport:
+    """Export a (converted) HF model to ONNX at `path` and validate it in onnxruntime.
+
+    target "ort": RMSNorm -> SimplifiedLayerNormalization, residual add + norm ->
+    com.microsoft.SkipSimplifiedLayerNormalization; "onnx23": standard opset-23 RMSNormalization.
+    fp16: fp16 weights/activations (norm statistics stay fp32). with_past: decoder with
+    past_key_values.{i}.key/value inputs and present.{i}.key/value outputs. Decoders also take
+    position_ids. Weights over `external_data_bytes` go to `<file>.data` beside it. The file appears
+    only once every check passed (validate=False skips the checks, not the atomic write).
+    See export_folder for a deployment folder (config, tokenizer, generation config beside it).
+    """
+    opset = check_args(target, opset)
+    path = Path(path).expanduser()
+    if not hasattr(model, "config"):
+        raise NormswapError("export_onnx needs a Hugging Face model (with .config)")
+    tmp = _staging_dir(path, overwrite)
+    try:
+        staged = tmp / path.name
+        report = build(model, staged, path, target, fp16, with_past, opset, validate, external_data_bytes)
+        for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
+            os.replace(f, path.parent / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return report
+

@@ -1,0 +1,73 @@
+"""What a model is, read off its config and modules: sizes under their many config names, norm kinds, heads.
+
+One place for the aliases transformers configs use for the same size, and one classifier of norm modules,
+so that every part of normswap reads a model the same way. Needs torch only (no transformers).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+# Config attribute names of the same quantity across architectures, most common first.
+ALIASES = {
+    "hidden": ("hidden_size", "d_model", "n_embd", "hidden_dim"),
+    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "positions": ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"),
+    "heads": ("num_attention_heads", "n_head"),
+}
+SUB_CONFIGS = ("text_config", "vision_config", "encoder", "decoder")
+
+
+def config_int(config, kind: str) -> int | None:
+    """The first integer among `kind`'s aliases on `config` (e.g. config_int(c, "hidden")), else None."""
+    for key in ALIASES[kind]:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def config_value(config, key: str, default=None):
+    """config.key, else the same key in its text/vision/encoder/decoder sub-configs, else `default`."""
+    for c in (config, *(getattr(config, k, None) for k in SUB_CONFIGS)):
+        if c is not None and getattr(c, key, None) is not None:
+            return getattr(c, key)
+    return default
+
+
+def norm_kind(module: nn.Module) -> str | None:
+    """"rmsnorm" (ours, nn.RMSNorm, LlamaRMSNorm, T5LayerNorm...), "layernorm" (nn.LayerNorm and
+    subclasses, leaf modules whose class says LayerNorm), "norm" (other normalisation layers: GroupNorm,
+    BatchNorm, leaf *Norm classes), or None. By class only; `surgery.probe` decides by behaviour."""
+    name = type(module).__name__
+    leaf = next(module.children(), None) is None
+    if isinstance(module, nn.RMSNorm) or "RMSNorm" in name or name == "T5LayerNorm":
+        return "rmsnorm"
+    # a LayerNorm class has no submodules (Wav2Vec2LayerNormConvLayer is a block, not a norm)
+    if isinstance(module, nn.LayerNorm) or leaf and "layernorm" in name.lower():
+        return "layernorm"
+    if isinstance(module, (nn.GroupNorm, nn.modules.batchnorm._NormBase)) or leaf and "Norm" in name:
+        return "norm"
+    return None
+
+
+def is_rms_norm(module: nn.Module) -> bool:
+    """True for ours and for other libraries' RMSNorms (LlamaRMSNorm, T5LayerNorm, nn.RMSNorm...)."""
+    return norm_kind(module) == "rmsnorm"
+
+
+def is_causal_lm(model_or_config) -> bool:
+    """True for a causal LM: its class or config.architectures ends in ...ForCausalLM / ...LMHeadModel."""
+    config = getattr(model_or_config, "config", model_or_config)
+    names = list(getattr(config, "architectures", None) or [])
+    if isinstance(model_or_config, nn.Module):
+        names.append(type(model_or_config).__name__)
+    return any(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names)
+
+
+def is_conv1d(layer: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a linear layer whose weight is stored (in, out)."""
+    return type(layer).__name__ == "Conv1D"
+
+
+def is_linear(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.Linear) or is_conv1d(layer)

@@ -1,0 +1,77 @@
+"""Loading a model and its tokenizer from a SRC: a folder, a Hub id or `normswap-demo`.
+
+Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
+do not match the config unless allow_missing_weights is given. Folders normswap saved are rebuilt by
+`rebuild.from_pretrained`, never through their own modeling file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from normswap.errors import NormswapError
+from normswap.models.demo import DEMO_NAME
+from normswap.models.rebuild import from_pretrained
+from normswap.models.source import DTYPES, auto_class, check_weights, read_config, resolve_source
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a SRC; the keyword arguments of `load_model` (the CLI builds one per command)."""
+    dtype: str | None = None                # "float32" | "float16" | "bfloat16" | None: as stored
+    trust_remote_code: bool = False         # run Python files shipped with the model (auto_map)
+    allow_missing_weights: bool = False     # load even if tensors are missing, extra or of the wrong shape
+
+
+def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = False,
+               allow_missing_weights: bool = False):
+    """(model, tokenizer or None) from a folder, a Hub id or `normswap-demo`; in eval mode.
+
+    dtype: "float32" | "float16" | "bfloat16" | None (as stored; the demo model loads in float32).
+    trust_remote_code: run Python files shipped with the model (auto_map); never by default.
+    allow_missing_weights: load even if tensors are missing, unexpected or of the wrong shape (missing
+    ones keep random values); by default that is an error naming them.
+    """
+    where, local = resolve_source(src)
+    if dtype is not None and dtype not in DTYPES:
+        raise NormswapError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
+    if src == DEMO_NAME and dtype is None:
+        dtype = "float32"
+    if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code
+        model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow_missing_weights).eval()
+        return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
+    try:
+        config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)
+        if getattr(config, "normswap", None):
+            model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow_missing_weights)
+        else:
+            model, info = auto_class(config).from_pretrained(
+                where, local_files_only=local, trust_remote_code=trust_remote_code,
+                dtype=DTYPES[dtype] if dtype else "auto", output_loading_info=True, ignore_mismatched_sizes=True)
+            check_weights(src, info["missing_keys"], info["unexpected_keys"],
+                          [(k, a, b) for k, a, b in info["mismatched_keys"]], allow_missing_weights)
+    except NormswapError:
+        raise
+    except Exception as e:  # transformers raises many types; users get one line
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not trust_remote_code and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
+            msg = "it ships its own Python code (auto_map), which normswap runs only with `trust_remote_code=True`"
+        raise NormswapError(f"cannot load model from {src}: {msg}") from None
+    return model.eval(), load_tokenizer(where, local, trust_remote_code)
+
+
+def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = False, config=None):
+    """The model's tokenizer, or None when it has none (transformers 5 would build an empty one)."""
+    if local and not any((Path(where) / f).exists() for f in TOKENIZER_FILES):
+        return None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code,
+                                                  config=config)
+    except Exception:
+        return None
+    return tokenizer if len(tokenizer) > 0 else None

@@ -1,0 +1,92 @@
+"""A folder saved by normswap, rebuilt: the original transformers class from config.json, the recorded
+structure (norms, added biases, output and input fixes) applied, the weights loaded. No code from the
+folder runs (its `auto_map` is ignored)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+
+from normswap.checkpoint import safetensors
+from normswap.errors import NormswapError
+from normswap.models import schema
+from normswap.models.source import DTYPES, check_weights, read_config, transformers_class
+from normswap.norms import build_norm
+from normswap.surgery.algebra import ensure_bias
+from normswap.surgery.centring import apply_output_fixes
+from normswap.surgery.walk import replace_module
+
+
+def apply_structure(model: nn.Module, section: dict) -> None:
+    """Recreate the module changes recorded in a config's `normswap` section (norms, biases, output fixes)."""
+    for name, spec in section.get("norms", {}).items():
+        replace_module(model, name, build_norm(spec, like=model.get_submodule(name)))
+    for name in section.get("added_biases", []):
+        ensure_bias(model.get_submodule(name))
+    apply_output_fixes(model, section.get("output_fixes", {}))  # after the norms: fixes may sit on them
+
+
+def base_config(raw: dict, section: dict, where: str):
+    """The original architecture's config and model class, as recorded in the section: never remote code."""
+    base = section["base"]
+    cls = transformers_class(base["architecture"])
+    if cls is None:
+        raise NormswapError(f"{where}: unknown architecture {base['architecture']!r} in config.json")
+    if base["model_type"] not in transformers.CONFIG_MAPPING:
+        raise NormswapError(f"{where}: unknown model_type {base['model_type']!r} in config.json")
+    config_cls = transformers.CONFIG_MAPPING[base["model_type"]]
+    config = config_cls.from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "model_type")})
+    config.architectures = [base["architecture"]]
+    return config, cls
+
+
+def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
+    """Fill `model` from a checkpoint folder (one file or shards), a tensor at a time, naming every missing,
+    unexpected or wrong-shaped tensor (tied tensors are stored once, under their first name)."""
+    reader = safetensors.Reader(path)
+    alias = safetensors.aliases(model)
+    state = model.state_dict(keep_vars=True)
+    stored = set(reader.keys())
+    missing = sorted(k for k in state if alias.get(k, k) == k and k not in stored)
+    unexpected = sorted(stored - set(state))
+    mismatched = [(k, reader.meta(k)[1], list(state[k].shape)) for k in sorted(stored & set(state))
+                  if list(reader.meta(k)[1]) != list(state[k].shape)]
+    check_weights(str(path), missing, unexpected, mismatched, allow)
+    bad = {k for k, _, _ in mismatched}
+    with torch.no_grad():
+        for key in reader.keys():
+            if key in state and key not in bad:
+                state[key].copy_(reader.get(key))
+
+
+def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool = False) -> nn.Module:
+    """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only).
+
+    The `normswap` section is validated (`schema`) and its checksum checked; no code from the folder runs
+    (an `auto_map` is ignored: the original architecture is rebuilt).
+    """
+    path = Path(path)
+    raw = read_config(path)
+    section = raw.get("normswap")
+    if not section:
+        raise NormswapError(f"{path} was not saved by normswap (no 'normswap' section in config.json)")
+    schema.validate(section, str(path))
+    if not safetensors.has_weights(path):
+        raise NormswapError(f"{path} has no {safetensors.WEIGHTS} nor {safetensors.INDEX}")
+    schema.verify_checksum(section, path, str(path), header=False)  # the weights: checked by name below
+    try:
+        config, cls = base_config(raw, section, str(path))
+    except NormswapError:
+        raise
+    except Exception as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NormswapError(f"{path}: bad config.json: {why}") from None
+    stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
+    model = cls(config).to(DTYPES[dtype] if dtype else stored)
+    schema.validate(section, str(path), model)
+    apply_structure(model, section)
+    _load_weights(model, path, allow_missing_weights)
+    schema.verify_checksum(section, path, str(path), header=not allow_missing_weights)
+    return model.eval()

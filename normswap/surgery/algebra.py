@@ -1,0 +1,96 @@
+"""The weight algebra of the exact conversion, in float64, written back in the model's dtype.
+
+- `centre_outputs`: make a layer's outputs (or a parameter added to the stream) zero-mean per group of
+  channels: Linear (out, in) along dim 0, Conv1D (in, out) along dim 1, Embedding rows, ConvNd output channels.
+- `fold_bias`: c' = c + W b for a linear layer reading a norm whose bias is b (the bias created if absent).
+- `scale_outputs` / `fold_scale`: a per-channel scale (LayerScale) multiplied into the layer before it.
+
+fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the size of
+the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's largest mmap
+threshold (32 MB), so each is returned to the OS when freed; measured, 16 and 32 MB slices were kept on the
+heap and the process grew by ~250 MB anyway.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from normswap.models.introspect import is_conv1d
+
+CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
+
+
+def _update(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value.to(param.dtype))
+
+
+def _slices(w: torch.Tensor, dim: int):
+    """Views of w along `dim`, each of about CHUNK elements (every slice keeps the other dim whole)."""
+    step = max(1, CHUNK // max(1, w.shape[1 - dim]))
+    return w.split(step, dim)
+
+
+def centred(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    """t with zero mean over consecutive groups of `group` entries along `dim`, in float64."""
+    x = t.double().movedim(dim, -1)
+    g = group if group and x.shape[-1] % group == 0 else x.shape[-1]
+    x = x.unflatten(-1, (-1, g))
+    return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
+
+
+def _centre_in_place(t: torch.Tensor, dim: int, group: int) -> None:
+    """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`)."""
+    for part in (_slices(t, 1 - dim) if t.dim() == 2 else [t]):
+        _update(part, centred(part, dim, group))
+
+
+def centre_outputs(model: nn.Module, target: str, group: int) -> None:
+    """Make every output of layer `target` (or of "param:<name>", a parameter added to the stream) zero-mean
+    per group of `group` channels."""
+    if target.startswith("param:"):
+        param = model.get_parameter(target[6:])
+        _centre_in_place(param, param.dim() - 1, group)
+        return
+    layer = model.get_submodule(target)
+    dim = 1 if isinstance(layer, nn.Embedding) or is_conv1d(layer) else 0
+    _centre_in_place(layer.weight, dim, group)
+    if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
+        _update(layer.bias, centred(layer.bias, 0, group))
+
+
+def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
+    """layer's outputs *= lam (per output channel)."""
+    dim = 1 if is_conv1d(layer) else 0
+    shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
+    _update(layer.weight, layer.weight.double() * lam.double().view(shape))
+    if getattr(layer, "bias", None) is not None:
+        _update(layer.bias, layer.bias.double() * lam.double())
+
+
+def fold_scale(scale: nn.Module, layer: nn.Module) -> None:
+    """layer's outputs *= the scale's parameter, which becomes 1 (LayerScale folded into the layer)."""
+    lam = next(scale.parameters())
+    scale_outputs(layer, lam)
+    lam.fill_(1.0)
+
+
+def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
+    """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
+    if getattr(layer, "bias", None) is not None:
+        return layer.bias, False
+    w = layer.weight
+    out_features = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # Conv1D stores (in, out)
+    layer.bias = nn.Parameter(torch.zeros(out_features, device=w.device, dtype=w.dtype))
+    return layer.bias, True
+
+
+def fold_bias(layer: nn.Module, b: torch.Tensor) -> bool:
+    """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
+    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
+        shift = torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
+    else:                              # Conv1D (in, out): b W summed over row blocks
+        n = max(1, CHUNK // layer.weight.shape[1])
+        shift = sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
+    bias, created = ensure_bias(layer)
+    _update(bias, bias.double() + shift)
+    return created

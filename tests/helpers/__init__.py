@@ -1,0 +1,1 @@
+"""Models, data and helpers shared by the tests (importable as `helpers.*`: pytest puts tests/ on the path)."""
