@@ -160,31 +160,6 @@ def test_failed_second_rename_restores_old_out(tmp_path, converted, monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp, no old, no lock left
 
 
-def test_leftovers_of_a_killed_run_are_recovered(tmp_path, converted):
-    out = tmp_path / "m"
-    before = own_output(out, converted)
-    os.rename(out, tmp_path / ".m.old-4242")  # killed between the two renames
-    (tmp_path / ".m.tmp-deadbeef").mkdir()    # its half-written temp folder
-    (tmp_path / ".m.tmp-deadbeef" / "model.safetensors").write_bytes(b"half")
-    (tmp_path / ".m.lock").write_text("4242")  # and its lock (no process holds it any more)
-    with pytest.raises(NormswapError, match="exists: pass overwrite=True"):
-        normswap.save_pretrained(converted, out)
-    assert snapshot(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-
-
-def test_legacy_leftover_is_restored_and_stale_old_removed(tmp_path, converted):
-    out = tmp_path / "m"
-    before = own_output(out, converted)
-    (tmp_path / ".m.old-abc123xy").mkdir()
-    os.rename(out, tmp_path / ".m.old-abc123xy" / "x")  # the layout of normswap 0.1.0
-    normswap.save_pretrained(converted, out, overwrite=True)
-    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-    (tmp_path / ".m.old-77").mkdir()  # killed after the new OUT was in place: the old is garbage
-    normswap.save_pretrained(converted, out, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-
-
 def test_output_folder_honours_umask(tmp_path, converted):
     mask = os.umask(0o022)
     try:
