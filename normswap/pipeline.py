@@ -144,7 +144,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
         result.healed = heal(model, original, texts, tokenizer=tokenizer, steps=o.finetune_steps,
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing
-            raise Interrupted()
+            raise Interrupted(result.healed.signum)
     result.parity = compare_to(reference, model)
     refuse_nonfinite(result.parity)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
