@@ -89,4 +89,16 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     apply_structure(model, section)
     _load_weights(model, path, allow_missing_weights)
     schema.verify_checksum(section, path, str(path), header=not allow_missing_weights)
+    _load_generation_config(model, path)
     return model.eval()
+
+
+def _load_generation_config(model: nn.Module, path: Path) -> None:
+    """generation_config.json, as transformers' from_pretrained reads it (eos lists, pad, sampling settings,
+    max_new_tokens): without it, heal and export would write the defaults derived from config.json."""
+    if not (path / "generation_config.json").is_file() or getattr(model, "generation_config", None) is None:
+        return
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    except Exception as e:  # transformers' own validation: a bad file is an error, not a silent default
+        raise NormswapError(f"{path}/generation_config.json: {str(e).splitlines()[0]}") from None
