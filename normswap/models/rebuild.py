@@ -12,7 +12,7 @@ from torch import nn
 from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
-from normswap.models.source import DTYPES, check_weights, read_config, transformers_class
+from normswap.models.source import DTYPES, check_weights, dtype_name, read_config, transformers_class
 from normswap.norms import build_norm
 from normswap.surgery.algebra import ensure_bias
 from normswap.surgery.centring import apply_output_fixes
@@ -67,7 +67,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     The `normswap` section is validated (`schema`) and its checksum checked; no code from the folder runs
     (an `auto_map` is ignored: the original architecture is rebuilt).
     """
-    path = Path(path)
+    path, dtype = Path(path), dtype_name(dtype)
     raw = read_config(path)
     section = raw.get("normswap")
     if not section:

@@ -31,6 +31,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     """
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
+    safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
