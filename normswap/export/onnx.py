@@ -127,6 +127,7 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     import onnxscript.optimizer
     onnxscript.optimizer.optimize_ir(prog.model)
     rewrites = fuse.fuse(prog.model, target)
+    fuse.drop_trailing_empty_inputs(prog.model)
     wrap.name_axes(prog.model, with_past)
     return prog, rewrites
 
