@@ -212,10 +212,10 @@ def _swap(tmp: Path, out: Path, fd: int) -> None:
     try:
         with _signals_deferred():
             if out.exists() or out.is_symlink():
-                old = _journal(fd, "old", out.parent / f".{_stem(out)}.old-{os.getpid()}")
+                old = out.parent / f".{_stem(out)}.old-{os.getpid()}"
                 if old.exists() or old.is_symlink():   # not ours (no journal listed it): never overwritten
                     raise NormswapError(f"{old} is in the way: move it, then run again")
-                os.rename(out, old)
+                os.rename(out, _journal(fd, "old", old))
                 try:
                     os.rename(tmp, out)
                 except BaseException as e:
@@ -236,7 +236,8 @@ def _swap(tmp: Path, out: Path, fd: int) -> None:
 
 
 def _honour_umask(path: Path) -> None:
-    """The temp folder is made 0700 (private while written): give the output the mode mkdir would (0755 under umask 022)."""
+    """The temp folder is made 0700 (private while written): give the output the mode mkdir would (0755
+    under umask 022)."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o777 & ~mask)

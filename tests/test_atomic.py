@@ -20,6 +20,7 @@ from normswap.cli import main
 from normswap.models.demo import DEMO_DIR
 from normswap.errors import NormswapError
 
+from helpers.cli import one_error_line, run, snapshot
 from helpers.tiny import tiny_model
 
 
@@ -28,20 +29,6 @@ def converted():
     model = tiny_model("gpt2")
     normswap.convert(model, method="naive", to="rmsnorm")
     return model
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, code=1):
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == code and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
-
-
-def snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def own_output(path, model):

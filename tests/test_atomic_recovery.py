@@ -2,6 +2,7 @@
 are never deleted or renamed; long OUT names work; an OUT where SRC's symlinks point is refused."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
 
-from helpers.tiny import tiny_model
+from helpers.cli import snapshot
+from helpers.export_models import converted as naive_conversion
 
 KILLED = textwrap.dedent("""
     import os, sys, types
@@ -38,13 +40,7 @@ KILLED = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def converted():
-    model = tiny_model("gpt2")
-    normswap.convert(model, method="naive", to="rmsnorm")
-    return model
-
-
-def snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return naive_conversion("gpt2")
 
 
 def kill_during(out, when):
@@ -59,7 +55,7 @@ def user_folders(parent, name):
     for suffix in ("old-mybackup", "tmp-notes", "old-4242", "tmp-4242-deadbeef"):
         folder = parent / f".{name}.{suffix}"
         folder.mkdir()
-        (folder / "config.json").write_text('{"normswap": {"mine": "%s"}}' % suffix)
+        (folder / "config.json").write_text(json.dumps({"normswap": {"mine": suffix}}))
         made[folder.name] = snapshot(folder)
     return made
 
@@ -119,6 +115,8 @@ def test_out_where_src_symlinks_point_is_refused(tmp_path, gpt2_dir):
         (snap / f.name).symlink_to(blobs / f.name)
     before = snapshot(blobs)
     for out in (blobs, tmp_path / "blobs" / "config.json"):
-        result = CliRunner().invoke(main, ["convert", str(snap), "--to", "rmsnorm", "-o", str(out), "--overwrite-any"])
-        assert result.exit_code == 1 and "would replace SRC" in result.output and "symlinks in it point there" in result.output
+        result = CliRunner().invoke(main, ["convert", str(snap), "--to", "rmsnorm", "-o", str(out),
+                                           "--overwrite-any"])
+        assert result.exit_code == 1 and "would replace SRC" in result.output
+        assert "symlinks in it point there" in result.output
     assert snapshot(blobs) == before

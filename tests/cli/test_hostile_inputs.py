@@ -13,26 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from click.testing import CliRunner
 
 import normswap
 from normswap.checkpoint import safetensors
-from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.models.load import LoadOptions
 from normswap.pipeline import ConvertOptions, convert_checkpoint
 
+from helpers.cli import one_error_line, run
 from helpers.tiny import _config, tiny_model
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, code=1):
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == code and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

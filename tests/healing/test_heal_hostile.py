@@ -11,6 +11,7 @@ import signal
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers.cli import snapshot
 from helpers.heal_models import save_pair, text, tokenizer
 
 import normswap
@@ -32,10 +33,6 @@ def heal_cli(saved, out, *extra, src=None):
     return CliRunner().invoke(main, ["heal", str(src or saved / "conv"), "--teacher", str(saved / "orig"), "--data",
                                      str(saved / "train.txt"), "--seq-len", "32", "--batch-size", "4",
                                      "-o", str(out), *extra])
-
-
-def snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -119,3 +116,12 @@ def test_out_with_a_trailing_slash_saves_the_partial_beside_it(saved, tmp_path, 
 
 def test_library_heal_partial_path_is_beside_out():
     assert loop.partial_path("a/b/") == loop.partial_path("a/b") == normswap.healing.loop.Path("a/b.partial")
+
+
+def test_sigterm_while_convert_heals_exits_143_with_nothing_written(saved, tmp_path, signals_in_first_loss):
+    signals_in_first_loss(signal.SIGTERM, 1)
+    r = CliRunner().invoke(main, ["convert", str(saved / "orig"), "--to", "rmsnorm", "--method", "naive",
+                                  "--finetune-steps", "3", "--data", str(saved / "train.txt"), "-o",
+                                  str(tmp_path / "c")])
+    assert r.exit_code == 143 and r.stderr.strip() == "interrupted: nothing was written", r.output
+    assert list(tmp_path.iterdir()) == []
