@@ -81,7 +81,8 @@ class HealReport:
 
 def check_lr(lr) -> None:
     """A learning rate must be a finite number > 0 (inf, nan or 0 train to NaN or not at all)."""
-    if lr is not None and not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+    finite = isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)
+    if lr is not None and not (finite and lr > 0):
         raise NormswapError(f"`lr` must be a finite number > 0, not {lr}")
 
 

@@ -32,7 +32,8 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
                allow_missing_weights: bool = False):
     """(model, tokenizer or None) from a folder, a Hub id or `normswap-demo`; in eval mode.
 
-    dtype: "float32" | "float16" | "bfloat16" | None (as stored; the demo model loads in float32).
+    dtype: "float32" | "float16" | "bfloat16" (or fp32, fp16, bf16, a torch.dtype) | None (as stored; the demo
+    model loads in float32).
     trust_remote_code: run Python files shipped with the model (auto_map); never by default.
     allow_missing_weights: load even if tensors are missing, unexpected or of the wrong shape (missing
     ones keep random values); by default that is an error naming them.
