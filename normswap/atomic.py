@@ -1,19 +1,26 @@
 """Safe output: refuse dangerous OUTs, write folders atomically, recover from killed runs.
 
-atomic_dir, under an flock on `.OUT.lock`: build `.OUT.tmp-*`, rename OUT -> `.OUT.old-PID`,
+atomic_dir, under an flock on `.OUT.lock`: build `.OUT.tmp-PID-HEX`, rename OUT -> `.OUT.old-PID`,
 rename the temp folder -> OUT, delete the old. A failure between the two renames puts the old
-back; a run killed there leaves `.OUT.old-*`, which the next run restores (no OUT) or deletes
-(the new OUT is in place), and its `.OUT.tmp-*`, which the next run deletes.
+back; a run killed there leaves `.OUT.old-PID`, which the next run restores (no OUT) or deletes
+(the new OUT is in place), and its `.OUT.tmp-PID-HEX`, which the next run deletes.
+
+Which leftovers are ours is never judged by name alone (a user's `.OUT.old-mybackup` is theirs): the
+lock file is a journal. Before creating a temp or old folder, the writer appends its name to
+`.OUT.lock`; a run killed outright leaves that file behind, and the next writer, holding the same
+lock, reads it before anything else and touches only the folders listed there whose names have the
+exact form normswap generates. A folder no journal lists is left alone, whatever its name.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -27,6 +34,18 @@ except ImportError:  # Windows: an O_EXCL lock file instead
     fcntl = None
 
 ANY = "any"
+NAME_MAX = 255   # bytes in one file name (Linux, macOS, Windows)
+_SIDE = 22       # the longest suffix a sidecar adds to the stem: "." + ".tmp-" + 7-digit pid + "-" + 8 hex
+
+
+def _stem(out: Path) -> str:
+    """OUT's name in its sidecars (`.STEM.lock`, `.STEM.tmp-*`, `.STEM.old-*`): the name itself, or for a
+    name too long to take a suffix, a prefix of it and a hash of the whole (still unique per OUT)."""
+    raw = os.fsencode(out.name)
+    if len(raw) + _SIDE <= NAME_MAX:
+        return out.name
+    digest = hashlib.sha1(raw).hexdigest()[:8]
+    return os.fsdecode(raw[:NAME_MAX - _SIDE - 9]).rstrip("\udcff") + "~" + digest
 
 
 def _note(msg: str) -> None:
@@ -40,6 +59,8 @@ def check_output(out, inputs=()) -> Path:
     """
     if not str(out).strip():
         raise NormswapError("the output path is empty: name a new folder")
+    if len(os.fsencode(Path(out).expanduser().name)) > NAME_MAX:
+        raise NormswapError(f"the name of {out} is too long: the file system allows {NAME_MAX} bytes")
     target = Path(out).expanduser().resolve()
     with contextlib.suppress(OSError):
         cwd = Path.cwd().resolve()
@@ -49,10 +70,26 @@ def check_output(out, inputs=()) -> Path:
         path = DEMO_DIR if src == DEMO_NAME else Path(src).expanduser() if src else None
         if path is None or not path.exists():
             continue
-        path = path.resolve()
-        if path == target or target in path.parents:
-            raise NormswapError(f"{out} would replace {what} {src}: write somewhere else")
+        for real in _real_paths(path):
+            if real == target or target in real.parents:
+                raise NormswapError(f"{out} would replace {what} {src}" + (
+                    "" if real == path.resolve() else " (symlinks in it point there)") + ": write somewhere else")
     return target
+
+
+def _real_paths(path: Path, limit: int = 10_000) -> list[Path]:
+    """Where `path`'s data lives: the path resolved, and for a folder the targets of the symlinks in it (a Hub
+    cache snapshot's files point into `blobs/`), so that an OUT there is seen to replace the input."""
+    found = [path.resolve()]
+    if path.is_dir():
+        for root, dirs, files in os.walk(path):
+            for name in dirs + files:
+                entry = Path(root) / name
+                if entry.is_symlink():
+                    found.append(entry.resolve())
+            if len(found) > limit:
+                break
+    return found
 
 
 def check_replaceable(out, overwrite) -> None:
@@ -76,8 +113,9 @@ def check_replaceable(out, overwrite) -> None:
 
 @contextlib.contextmanager
 def _lock(out: Path):
-    """Hold `.OUT.lock` (with our pid) or fail at once: one writer per OUT; a dead writer's lock is free."""
-    path = out.parent / f".{out.name}.lock"
+    """Hold `.OUT.lock` or fail at once: one writer per OUT; a dead writer's lock is free. Yields the file
+    descriptor (its content: our pid, then the journal) and what a killed holder's journal listed."""
+    path = out.parent / f".{_stem(out)}.lock"
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if fcntl else os.O_EXCL), 0o644)
@@ -89,7 +127,7 @@ def _lock(out: Path):
             if fcntl:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            holder = (os.read(fd, 32).decode(errors="replace").split() or ["?"])[0]
             os.close(fd)
             raise NormswapError(f"{out} is being written by another normswap process (pid {holder}): "
                                 "try again when it ends") from None
@@ -103,18 +141,29 @@ def _lock(out: Path):
             pass
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        yield
+        left = os.read(fd, 1 << 16).decode(errors="replace").splitlines()[1:]
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)   # our pid, then the killed run's list again until `recover` has dealt with it
+        os.write(fd, "".join(f"{line}\n" for line in [str(os.getpid()), *left]).encode())
+        yield fd, [line.partition(" ")[::2] for line in left]
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)  # before closing: nobody can lock this inode and believe it current
         os.close(fd)
 
 
-def _leftovers(out: Path, kind: str) -> list[Path]:
-    pattern = re.compile(rf"\.{re.escape(out.name)}\.{kind}-[A-Za-z0-9_]+")
-    found = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name)]
+def _journal(fd: int, kind: str, path: Path) -> Path:
+    """Record in the lock file, before creating it, that `path` is ours (see the module docstring)."""
+    os.write(fd, f"{kind} {path.name}\n".encode())
+    return path
+
+
+def _leftovers(out: Path, kind: str, journal: list[tuple[str, str]]) -> list[Path]:
+    """The `kind` folders a killed run's journal lists that exist and have the exact form we generate."""
+    form = {"tmp": r"\d+-[0-9a-f]{8}", "old": r"\d+"}[kind]
+    pattern = re.compile(rf"\.{re.escape(_stem(out))}\.{kind}-{form}")
+    found = [out.parent / n for k, n in journal if k == kind and pattern.fullmatch(n)]
+    found = [p for p in dict.fromkeys(found) if p.exists() or p.is_symlink()]
     return sorted(found, key=lambda p: p.lstat().st_mtime)
 
 
@@ -125,18 +174,15 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def recover(out: Path) -> None:
-    """Clean up after killed runs (call under the lock): restore a lost OUT, delete stale temp folders."""
-    for tmp in _leftovers(out, "tmp"):
+def recover(out: Path, journal: list[tuple[str, str]]) -> None:
+    """Clean up after a killed run (call under the lock, with the journal it left): restore a lost OUT,
+    delete its temp folder. Nothing the journal does not list is touched."""
+    for tmp in _leftovers(out, "tmp", journal):
         _remove(tmp)
-    olds = _leftovers(out, "old")
+    olds = _leftovers(out, "old", journal)
     if olds and not (out.exists() or out.is_symlink()):
         old = olds.pop()
-        inner = old / "x"  # the layout of normswap <= 0.1.0: .OUT.old-*/x
-        legacy = not old.is_symlink() and old.is_dir() and os.listdir(old) == ["x"] and inner.is_dir()
-        os.rename(inner if legacy else old, out)
-        if legacy:
-            _remove(old)
+        os.rename(old, out)
         _note(f"restored {out} from {old.name}, left by an interrupted run")
     for old in olds:
         _remove(old)
@@ -159,15 +205,17 @@ def _signals_deferred():
             signal.raise_signal(got[0])
 
 
-def _swap(tmp: Path, out: Path) -> None:
+def _swap(tmp: Path, out: Path, fd: int) -> None:
     """Rename `tmp` to `out` (the old `out` aside, then deleted); a signal held during the swap is delivered
     after it as `Interrupted` naming `out`, which is then complete."""
     old = None
     try:
         with _signals_deferred():
             if out.exists() or out.is_symlink():
-                old = out.parent / f".{out.name}.old-{os.getpid()}"
-                os.rename(out, old)
+                old = out.parent / f".{_stem(out)}.old-{os.getpid()}"
+                if old.exists() or old.is_symlink():   # not ours (no journal listed it): never overwritten
+                    raise NormswapError(f"{old} is in the way: move it, then run again")
+                os.rename(out, _journal(fd, "old", old))
                 try:
                     os.rename(tmp, out)
                 except BaseException as e:
@@ -188,7 +236,8 @@ def _swap(tmp: Path, out: Path) -> None:
 
 
 def _honour_umask(path: Path) -> None:
-    """mkdtemp makes 0700 folders: give the output the mode mkdir would (0755 under umask 022)."""
+    """The temp folder is made 0700 (private while written): give the output the mode mkdir would (0755
+    under umask 022)."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, 0o777 & ~mask)
@@ -206,17 +255,18 @@ def atomic_dir(out: str | Path, overwrite=False):
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
-    with _lock(out):
-        recover(out)
+    with _lock(out) as (fd, journal):
+        recover(out, journal)
         check_replaceable(shown, overwrite)
+        tmp = _journal(fd, "tmp", out.parent / f".{_stem(out)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+            os.mkdir(tmp, 0o700)
         except OSError as e:
             raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
         try:
             _honour_umask(tmp)
             yield tmp
-            _swap(tmp, out)
+            _swap(tmp, out, fd)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

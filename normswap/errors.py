@@ -15,7 +15,8 @@ FLAGS = {
     "method='naive'": "--method naive", "method='auto'": "--method auto", "to='prmsnorm'": "--to prmsnorm",
     "train='all'": "--train all", "objective='lm'": "--objective lm", "texts": "--data FILE", "data": "--data",
     "finetune_steps": "--finetune-steps", "onnx": "--onnx", "src": "SRC", "out": "OUT", "teacher": "--teacher",
-    "with_past=True": "--with-past", "device": "--device", "reference": "--reference ORIG",
+    "with_past=True": "--with-past", "device": "--device", "reference": "--reference ORIG", "lr": "--lr",
+    "max_shard_size": "--max-shard-size", "dtype": "--dtype",
 }
 _NAMED = re.compile(r"`([^`]+)`")
 

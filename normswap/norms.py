@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
     def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        self.normalized_shape = int(normalized_shape)
+        self.normalized_shape = _width(normalized_shape)
         self.eps = ops.check_eps(eps)   # eps <= 0 would give NaN on an all-zero row
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
@@ -40,7 +40,7 @@ class PartialRMSNorm(RMSNorm):
 
     def __init__(self, normalized_shape: int, p: float = 0.0625, eps: float = 1e-6,
                  elementwise_affine: bool = True, device=None, dtype=None):
-        ops.partial_width(int(normalized_shape), p)  # validates p
+        ops.partial_width(_width(normalized_shape), p)  # validates p
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self._p = float(p)
 
@@ -50,6 +50,16 @@ class PartialRMSNorm(RMSNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", p={self._p}"
+
+
+def _width(normalized_shape) -> int:
+    """The normalised width: a positive int, or a sequence of one (as nn.LayerNorm / nn.RMSNorm take it)."""
+    shape = normalized_shape
+    if isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 1:
+        shape = shape[0]
+    if isinstance(shape, bool) or not isinstance(shape, int) or shape < 1:
+        raise ValueError(f"normalized_shape must be a positive int (the last dimension), got {normalized_shape!r}")
+    return int(shape)
 
 
 def norm_spec(module: RMSNorm) -> dict:

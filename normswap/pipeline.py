@@ -24,6 +24,7 @@ from normswap.models.load import LoadOptions, load_model
 from normswap.models.save import save_pretrained
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
 from normswap.surgery.convert import convert
+from normswap.surgery.probe import NONFINITE
 from normswap.surgery.report import ConversionReport
 from normswap.textdata import read_texts
 
@@ -108,6 +109,17 @@ def _heal_texts(o: ConvertOptions) -> list[str] | None:
     return read_texts(o.data) if o.finetune_steps else None
 
 
+def _refuse_broken(src: str, report: ConversionReport) -> None:
+    """Nothing converted because the norms are broken (NaN/inf on ordinary inputs, e.g. eps < 0): an error
+    saying so, not "nothing to convert" (a model with no LayerNorm)."""
+    broken = [s["name"] for s in report.skipped if s["reason"] == NONFINITE]
+    if broken and not report.converted:
+        more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
+        raise NormswapError(f"{src}: {len(broken)} LayerNorm-like modules ({', '.join(broken[:3])}{more}) give "
+                            "NaN/inf on ordinary inputs: the model is broken (check its eps and weights); "
+                            "nothing was written")
+
+
 def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = ConvertOptions()) -> ConvertResult:
     """Convert the model at `src` (folder, Hub id or "normswap-demo") and save it to `out`, verified.
 
@@ -125,6 +137,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
         try:
             report, parity = convert_folder(src, out, o.to, o.method, o.p, o.load.dtype, o.overwrite,
                                             o.max_shard_size, o.show_progress)
+            _refuse_broken(src, report)
             return ConvertResult(report, parity, out if report.converted else None, streamed=True)
         except NotStreamable as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
@@ -136,6 +149,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     original = copy.deepcopy(model) if texts else None
     report = convert(model, to=o.to, method=o.method, p=o.p)
     result = ConvertResult(report, None, None, notices=notices)
+    _refuse_broken(src, report)
     if not report.converted:
         return result
     if texts:
@@ -144,7 +158,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
         result.healed = heal(model, original, texts, tokenizer=tokenizer, steps=o.finetune_steps,
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing
-            raise Interrupted()
+            raise Interrupted(result.healed.signum)
     result.parity = compare_to(reference, model)
     refuse_nonfinite(result.parity)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.

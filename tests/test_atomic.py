@@ -20,6 +20,7 @@ from normswap.cli import main
 from normswap.models.demo import DEMO_DIR
 from normswap.errors import NormswapError
 
+from helpers.cli import one_error_line, run, snapshot
 from helpers.tiny import tiny_model
 
 
@@ -28,20 +29,6 @@ def converted():
     model = tiny_model("gpt2")
     normswap.convert(model, method="naive", to="rmsnorm")
     return model
-
-
-def run(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_error_line(result, code=1):
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == code and len(lines) == 1 and lines[0].startswith("error: "), result.output
-    return lines[0]
-
-
-def snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def own_output(path, model):
@@ -158,31 +145,6 @@ def test_failed_second_rename_restores_old_out(tmp_path, converted, monkeypatch,
         normswap.save_pretrained(converted, out, overwrite=True)
     assert snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp, no old, no lock left
-
-
-def test_leftovers_of_a_killed_run_are_recovered(tmp_path, converted):
-    out = tmp_path / "m"
-    before = own_output(out, converted)
-    os.rename(out, tmp_path / ".m.old-4242")  # killed between the two renames
-    (tmp_path / ".m.tmp-deadbeef").mkdir()    # its half-written temp folder
-    (tmp_path / ".m.tmp-deadbeef" / "model.safetensors").write_bytes(b"half")
-    (tmp_path / ".m.lock").write_text("4242")  # and its lock (no process holds it any more)
-    with pytest.raises(NormswapError, match="exists: pass overwrite=True"):
-        normswap.save_pretrained(converted, out)
-    assert snapshot(out) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-
-
-def test_legacy_leftover_is_restored_and_stale_old_removed(tmp_path, converted):
-    out = tmp_path / "m"
-    before = own_output(out, converted)
-    (tmp_path / ".m.old-abc123xy").mkdir()
-    os.rename(out, tmp_path / ".m.old-abc123xy" / "x")  # the layout of normswap 0.1.0
-    normswap.save_pretrained(converted, out, overwrite=True)
-    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-    (tmp_path / ".m.old-77").mkdir()  # killed after the new OUT was in place: the old is garbage
-    normswap.save_pretrained(converted, out, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_output_folder_honours_umask(tmp_path, converted):

@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import struct
 from pathlib import Path
 from collections.abc import Iterable, Iterator
@@ -36,13 +37,27 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in "5GB", "500MB", "2GiB" or an int (transformers' units: GB = 10^9)."""
+    """Bytes (at least 1) in "5GB", "500MB", "2GiB" or an int (transformers' units: GB = 10^9)."""
+    bad = NormswapError(f"bad shard size {size!r} (`max_shard_size`): use e.g. 5GB, 500MB or a number of bytes "
+                        "(at least 1)")
+    if isinstance(size, bool):
+        raise bad
     if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if not m or float(m.group(1)) <= 0:
-        raise NormswapError(f"bad shard size '{size}': use e.g. 5GB, 500MB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+        n = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        n = int(float(m.group(1)) * _UNITS[m.group(2) or ""]) if m else 0
+    if n < 1:
+        raise bad
+    return n
+
+
+def human(n: int) -> str:
+    """A byte count for people: 1.23 GB, 4.5 MB, 812 bytes (GB = 10^9, as disk tools and transformers)."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} bytes"
 
 
 def nbytes(shape, dtype: torch.dtype) -> int:
@@ -165,6 +180,9 @@ def plan_shards(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size:
             size = 0
         shards[-1].append(i)
         size += n
+    if len(shards) > 99999:   # the file names hold 5 digits, as transformers writes them
+        raise NormswapError(f"`max_shard_size` {max_shard_size} would write {len(shards)} shards (at most 99999): "
+                            "choose a larger size")
     return shards
 
 
@@ -241,11 +259,13 @@ def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DE
 def check_space(out: str | Path, needed: int) -> None:
     """Refuse before writing, not after an hour: a 40B model's shards fill a disk that its config fits on.
     `out` need not exist yet: the space is measured at its nearest existing folder, where it will land."""
-    import shutil
     where = Path(out).expanduser().absolute()
     while not where.exists():
         where = where.parent
+    # a read-only mount reports no free space: say what is wrong instead
+    if hasattr(os, "statvfs") and os.statvfs(where).f_flag & os.ST_RDONLY:
+        raise NormswapError(f"cannot write to {where}: it is on a read-only file system; nothing was written")
     free = shutil.disk_usage(where).free
     if needed > free:
-        raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {needed / 1e9:.2f} GB, "
-                            f"{free / 1e9:.2f} GB are free; nothing was written")
+        raise NormswapError(f"not enough disk space in {Path(out).parent}: the weights need {human(needed)}, "
+                            f"{human(free)} are free; nothing was written")

@@ -32,7 +32,7 @@ from normswap.models.inputs import sample_inputs
 from normswap.models.load import load_tokenizer
 from normswap.models.rebuild import apply_structure, base_config
 from normswap.models.save import save_pretrained
-from normswap.models.source import DTYPES, read_config
+from normswap.models.source import DTYPES, dtype_name, read_config
 from normswap.parity import Parity, compare, refuse_nonfinite
 from normswap.surgery.algebra import centre_outputs, ensure_bias, fold_bias, scale_outputs
 from normswap.surgery import exact
@@ -195,7 +195,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     verified on sample inputs before `out` appears. Raises `lazy.NotStreamable` (before anything is
     written) for a folder that converts only in memory.
     """
-    src = Path(src).expanduser()
+    src, dtype = Path(src).expanduser(), dtype_name(dtype)
     try:
         model = skeleton(src, None, DTYPES[dtype] if dtype else None)
     except Exception as e:  # as load_model says it: one line

@@ -37,7 +37,11 @@ def convert(src, to, p, method, out, opts: Shared, finetune_steps, data, onnx_pa
     for w in result.notices:  # on stderr, whatever the output format
         warn(w)
     if not report.converted:
-        msg = f"nothing to convert: {src} has no LayerNorm ({len(report.already_rms)} RMSNorm already)"
+        skipped = [f"{s['name']} ({s['cls']}): {s['reason']}" for s in report.skipped]
+        why = f"; {len(skipped)} skipped: {'; '.join(skipped[:3])}" if skipped else ""
+        more = f" +{len(skipped) - 3} more" if len(skipped) > 3 else ""
+        msg = (f"nothing to convert: {src} has no LayerNorm normswap can convert "
+               f"({len(report.already_rms)} RMSNorm already{why}{more})")
         click.echo(json.dumps({"report": report.to_dict(), "message": msg}) if opts.as_json else msg)
         return
     for w in report.warnings:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -10,6 +11,7 @@ from normswap.atomic import check_output, check_replaceable
 from normswap.cli.options import Shared, shared
 from normswap.errors import NormswapError
 from normswap.evaluation import evaluate, text_only
+from normswap.healing.loop import check_lr, partial_path
 from normswap.healing.loop import heal as run_heal
 from normswap.models.load import LoadOptions, load_model
 from normswap.pipeline import resolve_device
@@ -70,8 +72,11 @@ def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_si
     them on the CPU (gloo); an FSDP config (examples/accelerate_fsdp.yaml) shards the model over them.
     """
     device = resolve_device(opts.device)
-    check_output(out, [("`src`", src), ("`teacher`", teacher_src)] + [("`data`", d) for d in data])
+    inputs = [("`src`", src), ("`teacher`", teacher_src)] + [("`data`", d) for d in data]
+    check_output(out, inputs)
     check_replaceable(out, opts.overwrite)
+    check_lr(lr)
+    partial = _partial(out, inputs)
     if objective == "kd" and not teacher_src:
         raise NormswapError("--teacher ORIG is required for distillation (or use --objective lm)")
     if not data:
@@ -80,8 +85,8 @@ def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_si
     student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher", opts.load)
     report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
                       objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
-                      overwrite=opts.overwrite, progress=not opts.as_json and opts.verbosity >= 0,
-                      cpu=device.type == "cpu", fsdp=fsdp)
+                      overwrite=opts.overwrite, progress=opts.show_progress,
+                      cpu=device.type == "cpu", fsdp=fsdp, partial=partial)
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return
@@ -91,7 +96,20 @@ def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_si
         when = "during the final save" if report.save_interrupted else "after"
         click.echo(f"interrupted {when} {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
                    err=True)
-        sys.exit(130)
+        sys.exit(128 + (report.signum or 2))
+
+
+def _partial(out: str, inputs) -> Path:
+    """`OUT.partial`, or `OUT.partial-2` where the former is an input (resuming from OUT.partial to OUT):
+    an interrupted run must not replace what it reads."""
+    first = partial_path(out)
+    try:
+        check_output(first, inputs)
+        return first
+    except NormswapError:
+        second = first.with_name(first.name + "-2")
+        check_output(second, inputs)
+        return second
 
 
 @click.command("eval")

@@ -13,6 +13,7 @@ from normswap.errors import NormswapError
 from normswap.export import genai, wrap
 from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args
 from normswap.export.report import ExportReport
+from normswap.models.save import save_tokenizer
 
 ONNX_NAME = "model.onnx"
 
@@ -63,7 +64,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
         if decoder:
             _write_generation_config(model, tmp)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         if with_past:
             genai.write(model, tmp, ONNX_NAME)
         report.files = sorted(p.name for p in tmp.iterdir())

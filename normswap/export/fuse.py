@@ -32,6 +32,24 @@ def fuse(model, target: str) -> dict[str, int]:
     return applied
 
 
+def drop_trailing_empty_inputs(model) -> int:
+    """Omit the empty optional inputs that end a node's input list (the fusions leave SkipLayerNormalization
+    with a trailing "" for its absent bias): valid ONNX either way, but OpenVINO's CPU plug-in cannot compile
+    such a node ("NullNode operation with dynamic rank"). Returns how many nodes changed."""
+    import onnx_ir as ir
+    changed = 0
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            n = len(node.inputs)
+            while n and node.inputs[n - 1] is None:
+                n -= 1
+            if n < len(node.inputs):
+                node.resize_inputs(n)
+                changed += 1
+    return changed
+
+
 def norm_nodes(model: onnx.ModelProto) -> Counter:
     """How many fused norm nodes of each kind the graph holds (functions included)."""
     nodes = list(model.graph.node) + [n for f in model.functions for n in f.node]

@@ -16,8 +16,27 @@ from normswap.models.introspect import config_int
 
 
 def _token_id(value):
-    """genai wants one int (eos may be a list in generation_config: genai takes a list there too)."""
+    """genai wants one int, or for eos a list of them (generation_config may list several)."""
     return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+# generation_config.json settings genai's "search" section takes under the same name
+SEARCH = ("do_sample", "num_beams", "num_return_sequences", "repetition_penalty", "temperature", "top_k", "top_p",
+          "length_penalty", "no_repeat_ngram_size", "early_stopping", "min_length")
+
+
+def _search(gen, context: int) -> dict:
+    """genai's defaults, overridden by what the model's generation_config sets explicitly (not HF's
+    defaults, e.g. max_length 20); max_new_tokens has no genai equivalent: max_length stays the context."""
+    search = {"do_sample": False, "early_stopping": True, "max_length": context, "min_length": 0,
+              "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+              "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    set_here = gen.to_diff_dict() if gen is not None else {}
+    search.update({k: set_here[k] for k in SEARCH if set_here.get(k) is not None and (
+        k != "early_stopping" or isinstance(set_here[k], bool))})   # HF also allows "never"
+    if set_here.get("max_length") is not None:
+        search["max_length"] = min(int(set_here["max_length"]), context)
+    return search
 
 
 def config(model: nn.Module, onnx_name: str) -> dict:
@@ -35,6 +54,7 @@ def config(model: nn.Module, onnx_name: str) -> dict:
 
     eos = token("eos_token_id")
     pad = token("pad_token_id")
+    first_eos = eos[0] if isinstance(eos, (list, tuple)) else eos
     return {
         "model": {
             "bos_token_id": token("bos_token_id"),
@@ -55,13 +75,11 @@ def config(model: nn.Module, onnx_name: str) -> dict:
                 "num_key_value_heads": heads,
             },
             "eos_token_id": eos,
-            "pad_token_id": pad if pad is not None else eos,
+            "pad_token_id": pad if pad is not None else first_eos,
             "type": "decoder",
             "vocab_size": cfg.vocab_size,
         },
-        "search": {"do_sample": False, "early_stopping": True, "max_length": context, "min_length": 0,
-                   "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
-                   "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0},
+        "search": _search(gen, context),
     }
 
 

@@ -57,6 +57,8 @@ def check_args(target: str, opset: int | None) -> int:
 
 def check_replaceable(path: Path, overwrite) -> None:
     """An existing FILE is replaced only with overwrite, and only if normswap exported it (or "any")."""
+    if str(path).endswith(("/", os.sep)):   # Path() would drop the slash and write a file of that name
+        raise NormswapError(f"`onnx` {path} names a folder: give a file name (e.g. {path}model.onnx)")
     path = Path(path).expanduser()
     if path.exists() and (path.is_dir() or not overwrite):
         raise NormswapError(f"{path} exists" + (" and is a folder" if path.is_dir() else
@@ -125,6 +127,7 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     import onnxscript.optimizer
     onnxscript.optimizer.optimize_ir(prog.model)
     rewrites = fuse.fuse(prog.model, target)
+    fuse.drop_trailing_empty_inputs(prog.model)
     wrap.name_axes(prog.model, with_past)
     return prog, rewrites
 
@@ -174,6 +177,7 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     See export_folder for a deployment folder (config, tokenizer, generation config beside it).
     """
     opset = check_args(target, opset)
+    check_replaceable(path, overwrite)
     path = Path(path).expanduser()
     if not hasattr(model, "config"):
         raise NormswapError("export_onnx needs a Hugging Face model (with .config)")

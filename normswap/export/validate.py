@@ -119,9 +119,16 @@ def ort_greedy(sess, model: nn.Module, prompt: np.ndarray, new_tokens: int, np_d
 
 
 def torch_greedy(reference: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> np.ndarray:
+    """Plain greedy decoding, whatever the model's generation_config asks (sampling, penalties, eos lists
+    would make PyTorch differ from the plain ORT loop it is compared with): that config is set aside."""
+    from transformers import GenerationConfig
     dev = next(reference.parameters()).device
-    out = reference.generate(ids.to(dev), attention_mask=mask.to(dev), do_sample=False, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=0)
+    own, reference.generation_config = reference.generation_config, GenerationConfig()
+    try:
+        out = reference.generate(ids.to(dev), attention_mask=mask.to(dev), generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0))
+    finally:
+        reference.generation_config = own
     return out.cpu().numpy()
 
 

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 from normswap.errors import NormswapError
 from normswap.models.demo import DEMO_NAME
 from normswap.models.rebuild import from_pretrained
-from normswap.models.source import DTYPES, auto_class, check_weights, read_config, resolve_source
+from normswap.models.source import DTYPES, auto_class, check_weights, dtype_name, read_config, resolve_source
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                    "spiece.model")
@@ -32,14 +32,14 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
                allow_missing_weights: bool = False):
     """(model, tokenizer or None) from a folder, a Hub id or `normswap-demo`; in eval mode.
 
-    dtype: "float32" | "float16" | "bfloat16" | None (as stored; the demo model loads in float32).
+    dtype: "float32" | "float16" | "bfloat16" (or fp32, fp16, bf16, a torch.dtype) | None (as stored; the demo
+    model loads in float32).
     trust_remote_code: run Python files shipped with the model (auto_map); never by default.
     allow_missing_weights: load even if tensors are missing, unexpected or of the wrong shape (missing
     ones keep random values); by default that is an error naming them.
     """
     where, local = resolve_source(src)
-    if dtype is not None and dtype not in DTYPES:
-        raise NormswapError(f"unknown dtype '{dtype}': choose one of {', '.join(DTYPES)}")
+    dtype = dtype_name(dtype)
     if src == DEMO_NAME and dtype is None:
         dtype = "float32"
     if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code

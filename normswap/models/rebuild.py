@@ -12,7 +12,7 @@ from torch import nn
 from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
-from normswap.models.source import DTYPES, check_weights, read_config, transformers_class
+from normswap.models.source import DTYPES, check_weights, dtype_name, read_config, transformers_class
 from normswap.norms import build_norm
 from normswap.surgery.algebra import ensure_bias
 from normswap.surgery.centring import apply_output_fixes
@@ -67,7 +67,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     The `normswap` section is validated (`schema`) and its checksum checked; no code from the folder runs
     (an `auto_map` is ignored: the original architecture is rebuilt).
     """
-    path = Path(path)
+    path, dtype = Path(path), dtype_name(dtype)
     raw = read_config(path)
     section = raw.get("normswap")
     if not section:
@@ -89,4 +89,16 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     apply_structure(model, section)
     _load_weights(model, path, allow_missing_weights)
     schema.verify_checksum(section, path, str(path), header=not allow_missing_weights)
+    _load_generation_config(model, path)
     return model.eval()
+
+
+def _load_generation_config(model: nn.Module, path: Path) -> None:
+    """generation_config.json, as transformers' from_pretrained reads it (eos lists, pad, sampling settings,
+    max_new_tokens): without it, heal and export would write the defaults derived from config.json."""
+    if not (path / "generation_config.json").is_file() or getattr(model, "generation_config", None) is None:
+        return
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    except Exception as e:  # transformers' own validation: a bad file is an error, not a silent default
+        raise NormswapError(f"{path}/generation_config.json: {str(e).splitlines()[0]}") from None

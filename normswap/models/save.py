@@ -4,6 +4,7 @@ max_shard_size), modeling_normswap.py (`hub`), generation config and tokenizer f
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from collections.abc import Callable, Iterable
 
@@ -31,6 +32,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     """
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
+    safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
@@ -47,10 +49,28 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         if check is not None:
             check(tmp)
     return Path(out)
+
+
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """`tokenizer.save_pretrained(folder)`, with a tokenizer_config.json that transformers 4.x (and optimum,
+    which needs it) loads too: transformers 5 names its generic tokenizer.json class `TokenizersBackend`, which
+    4.x lacks; `PreTrainedTokenizerFast` is that class in both (5 maps it back). `model_input_names` keeps 4.x
+    from adding token_type_ids, which generate(**encoded) refuses; where it was loaded from is dropped."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if config.get("tokenizer_class") == "TokenizersBackend" and (Path(folder) / "tokenizer.json").is_file():
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.setdefault("model_input_names", list(getattr(tokenizer, "model_input_names", None) or []) or None)
+    config = {k: v for k, v in config.items() if k not in ("is_local", "local_files_only") and v is not None}
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _record_untied(model: nn.Module) -> None:

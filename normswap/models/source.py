@@ -19,6 +19,18 @@ from normswap.models.demo import DEMO_DIR, DEMO_NAME
 from normswap.models.introspect import is_causal_lm
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(dtype) -> str | None:
+    """A key of DTYPES for `dtype` given as one, as fp32/fp16/bf16, "torch.float16" or a torch.dtype."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    name = ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise NormswapError(f"unknown `dtype` {dtype!r}: choose float32, float16 or bfloat16 (fp32, fp16, bf16)")
+    return name
 
 
 def transformers_class(name: str):

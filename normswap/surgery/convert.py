@@ -67,6 +67,12 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
     filter_fn(module, name) -> bool limits which norms are touched. Running it again on a converted
     model is a no-op.
     """
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if meta is not None:  # probing needs values: a meta model would have every norm "skipped"
+        raise NormswapError(f"the model's weights are on the meta device ({meta}, ...): load them before "
+                            "converting (a saved folder converts with bounded memory through `convert_checkpoint`)")
     return convert_with(model, to, method, p, filter_fn)[0]
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 EPS_ATTRS = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps")
 SCALES = [10.0 ** -k for k in range(0, 9)]     # row scales that locate eps in [~1e-17, ~1]
+NONFINITE = "returns non-finite values on ordinary inputs"   # a broken module (e.g. eps < 0), not a non-norm
 
 
 class NotLayerNorm(Exception):
@@ -112,7 +113,7 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
         raise NotLayerNorm(f"fails on a tensor of shape (..., {d}) alone: not a last-dimension norm "
                            "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
-        raise NotLayerNorm("returns non-finite values on ordinary inputs")
+        raise NotLayerNorm(NONFINITE)
     b = (y[0] + y[1]) / 2   # the normalised part is odd in x: LN(x) + LN(-x) = 2b
     gain = ((y[1:4] - b) * z).sum(0) / z.pow(2).sum(0)   # least squares per feature, a(big) ~ 1
     if not gain.abs().max() > 0:

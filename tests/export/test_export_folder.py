@@ -110,8 +110,8 @@ def test_left_padded_greedy_generation_equals_pytorch_row_by_row(folder):
 
 @torch.no_grad()
 def test_onnxruntime_genai_generates_like_pytorch(folder):
-    """genai's own generate loop on the folder (one prompt at a time: genai 0.18 counts positions from
-    the padding in a left-padded batch, like the naive positions above, so batches are not compared)."""
+    """genai's own generate loop on the folder, one prompt at a time (its batch path, right-padded by
+    Tokenizer.encode_batch, is tested in test_clients.py)."""
     og = pytest.importorskip("onnxruntime_genai")
     model, _, out = folder
     genai_model = og.Model(str(out))
