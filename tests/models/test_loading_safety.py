@@ -133,7 +133,7 @@ def test_from_pretrained_refuses_a_different_weights_file_with_the_same_names(co
     state = safetensors.torch.load_file(folder / WEIGHTS)
     state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].half()  # same name, shape: new header
     safetensors.torch.save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
-    with pytest.raises(NormswapError, match="are not the ones normswap saved"):
+    with pytest.raises(NormswapError, match="are not the ones saved with this config"):
         normswap.from_pretrained(folder)
 
 
