@@ -51,8 +51,8 @@ def open_folder(src: Path, dtype: torch.dtype | None = None, bar=None) -> tuple[
 def check_folder(model: nn.Module, lazy: Lazy, src: Path) -> None:
     """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected (but what
     transformers ignores, `ignored_keys`); tied tensors stored under two names hold the same values (else
-    `NotStreamable`). Then the stored persistent buffers are read (the skeleton's are its own, and a
-    BatchNorm's running statistics are not), and the tensors transformers makes are made (`_make_unstored`)."""
+    `NotStreamable`). Then the stored buffers are read (`read_buffers`) and the tensors transformers makes
+    instead of reading are made (`_make_unstored`)."""
     alias = safetensors.aliases(model)
     params = [k for k, _ in model.named_parameters(remove_duplicate=False) if alias.get(k, k) == k]
     state = model.state_dict(keep_vars=True)
@@ -62,12 +62,18 @@ def check_folder(model: nn.Module, lazy: Lazy, src: Path) -> None:
                   if lazy.key(k) is not None and list(lazy.reader.meta(lazy.key(k))[1]) != list(state[k].shape)]
     check_weights(str(src), missing, [lazy.names[k] for k in unexpected], mismatched, allow=False)
     _check_ties(lazy, src)
-    params = set(params)
+    read_buffers(model, lazy)
+    _make_unstored(model, sorted(set(absent) - set(missing)))
+
+
+def read_buffers(model: nn.Module, lazy: Lazy) -> None:
+    """The stored values of the model's persistent buffers (a BatchNorm's running statistics), read now: the
+    skeleton's buffers are real, so `Lazy` never reads them, and they would keep the values of a fresh model."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
-        for name, t in state.items():
+        for name, t in model.state_dict(keep_vars=True).items():
             if name not in params and not t.is_meta and lazy.key(name) is not None:
                 t.copy_(lazy.read(name, t.dtype))
-    _make_unstored(model, sorted(set(absent) - set(missing)))
 
 
 def _make_unstored(model: nn.Module, names: list[str]) -> None:

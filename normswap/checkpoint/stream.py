@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 from normswap import progress
 from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, trim
-from normswap.checkpoint.meta import open_folder, skeleton
+from normswap.checkpoint.meta import open_folder, read_buffers, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.models.inputs import sample_inputs
 from normswap.models.load import load_tokenizer
@@ -167,6 +167,7 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = 
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
         source.bar = bar
         lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
+        read_buffers(converted, lazies[1])
         for model, lazy in zip((reference, converted), lazies):
             lazy.attach(model.float())
         with LoadOnUse(*lazies):
