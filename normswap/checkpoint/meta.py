@@ -13,7 +13,8 @@ from transformers import AutoConfig
 from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import Lazy, NotStreamable
 from normswap.errors import NormswapError
-from normswap.models.source import auto_class, check_code, check_weights, ignored_keys, load_dtype, read_config
+from normswap.models.source import (auto_class, check_code, check_weights, ignored_keys, load_dtype, read_config,
+                                    weights_reader)
 
 
 def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None) -> nn.Module:
@@ -37,13 +38,15 @@ def open_folder(src: Path, dtype: torch.dtype | None = None, bar=None) -> tuple[
     """The model of checkpoint folder `src` on meta and the `Lazy` that reads its tensors, checked and
     completed as `load_model` loads it (`check_folder`). Refuses folders with their own model code."""
     check_code(str(src), read_config(src), trust_remote_code=False, converting=True)
+    reader = weights_reader(str(src), src, mapped=True)
     try:
-        model = skeleton(src, None, dtype)
+        config = AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False)
+        model = skeleton(src, config, dtype or load_dtype(str(src), config, reader))
     except NormswapError:
         raise
     except Exception as e:  # as load_model says it: one line
         raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
-    lazy = Lazy(model, safetensors.Reader(src, mapped=True), bar)
+    lazy = Lazy(model, reader, bar)
     check_folder(model, lazy, src)
     return model, lazy
 

@@ -17,7 +17,7 @@ from normswap.errors import NormswapError
 from normswap.models.demo import DEMO_NAME
 from normswap.models.rebuild import from_pretrained
 from normswap.models.source import (DTYPES, auto_class, check_code, check_weights, load_dtype, read_config,
-                                    resolve_source)
+                                    resolve_source, weights_reader)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                    "spiece.model")
@@ -51,7 +51,7 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
     if local:
         check_code(src, read_config(where), trust_remote_code, converting=False)
     # Every header transformers will read, validated before it reads a byte (as streaming does).
-    reader = safetensors.Reader(where) if local and safetensors.has_weights(where) else None
+    reader = weights_reader(src, where) if local and safetensors.has_weights(where) else None
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)
         if getattr(config, "normswap", None):

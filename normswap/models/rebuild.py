@@ -4,6 +4,7 @@ ships, run here with normswap's own norm modules), the weights loaded. No code f
 `auto_map` is ignored)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError, reraised
 from normswap.models import portable, schema
+from normswap.models.hub import MODELING_FILE
 from normswap.models.source import DTYPES, check_weights, ignored_keys, read_config, transformers_class
 from normswap.norms import build_norm
 
@@ -52,6 +54,17 @@ def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
                 state[key].copy_(reader.get(key))
 
 
+def _warn_old_code(path: Path, section: dict) -> None:
+    """A folder whose plan has input fixes, saved before its modeling_normswap.py applied them (normswap before
+    `portable`): right here, a different model in plain transformers. Said once, with the way out."""
+    file = path / MODELING_FILE
+    if any(spec.get("input") for spec in section.get("output_fixes", {}).values()) and file.is_file() \
+            and "def add_input_fix" not in file.read_text():
+        print(f"warning: {path}: its {MODELING_FILE} predates input fixes, so plain transformers "
+              "(trust_remote_code=True) would load a different model from it; save it again with normswap "
+              "(normswap.save_pretrained) to update that file", file=sys.stderr)
+
+
 def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool = False) -> nn.Module:
     """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only).
 
@@ -78,6 +91,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     model = cls(config).to(DTYPES[dtype] if dtype else stored)
     with reraised(portable.InvalidConversion):
         portable.rebuild(model, section, str(path), build_norm)   # what the shipped modeling_normswap.py runs
+    _warn_old_code(path, section)
     _load_weights(model, path, allow_missing_weights)
     if not allow_missing_weights:   # names, shapes and sizes as saved (the values are not hashed)
         schema.verify_checksum(section, path, str(path))

@@ -15,6 +15,7 @@ import transformers
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForCTC, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
 
+from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.models.demo import DEMO_DIR, DEMO_NAME
 from normswap.models.introspect import is_causal_lm
@@ -125,6 +126,15 @@ def read_config(path: str | Path) -> dict:
     return raw
 
 
+def weights_reader(src: str, where: str | Path, mapped: bool = False) -> safetensors.Reader:
+    """The tensors of folder `where` as transformers would load them (headers validated before any is read);
+    an error names the SRC that cannot load."""
+    try:
+        return safetensors.Reader(where, mapped)
+    except NormswapError as e:
+        raise NormswapError(f"cannot load model from {src}: {e}") from None
+
+
 def load_dtype(src: str, config, reader) -> torch.dtype:
     """The dtype a checkpoint loads in when none is asked for: what transformers' dtype="auto" picks, for
     in-memory and streaming conversions alike: config.json's `dtype` (`torch_dtype`), else the index's
@@ -145,7 +155,8 @@ def load_dtype(src: str, config, reader) -> torch.dtype:
         named = str(chosen).replace("torch.", "")
         kinds = ", ".join(str(d).replace("torch.", "") for d in narrowed)
         print(f"warning: {src}: tensors stored in {kinds} are loaded in {named} (config.json's dtype, as transformers "
-              f"loads them), which rounds them; pass a dtype (--dtype) to choose another", file=sys.stderr)
+              f"loads them), which rounds them; to keep them, load with dtype='float32' (CLI: --dtype fp32)",
+              file=sys.stderr)
     return chosen
 
 

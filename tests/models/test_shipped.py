@@ -178,3 +178,16 @@ def test_a_hand_edited_section_or_other_weights_are_refused_in_plain_transformer
     assert "are not the ones saved with this config" in got[str(swapped)]["error"]
     with pytest.raises(normswap.NormswapError, match="edited after normswap saved it"):
         normswap.from_pretrained(edited)
+
+
+def test_a_folder_saved_before_input_fixes_shipped_is_named(converted, tmp_path, capsys):
+    """Folders written by earlier releases carry a modeling_normswap.py without input fixes: normswap loads
+    them right, and says that plain transformers would not."""
+    root, cases = converted
+    folder = Path(shutil.copytree(cases["m2m100"][0], tmp_path / "old"))
+    normswap.from_pretrained(folder)
+    assert "predates input fixes" not in capsys.readouterr().err
+    shipped = (folder / hub.MODELING_FILE).read_text()
+    (folder / hub.MODELING_FILE).write_text(shipped.replace("def add_input_fix", "def gone"))
+    normswap.from_pretrained(folder)
+    assert "predates input fixes" in capsys.readouterr().err
