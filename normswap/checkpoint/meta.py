@@ -13,8 +13,8 @@ from transformers import AutoConfig
 from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import Lazy, NotStreamable
 from normswap.errors import NormswapError
-from normswap.models.source import (auto_class, check_code, check_weights, ignored_keys, load_dtype, read_config,
-                                    weights_reader)
+from normswap.models.source import (auto_class, build_model, check_code, check_weights, ignored_keys, load_dtype,
+                                    read_config, weights_reader)
 
 
 def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None) -> nn.Module:
@@ -24,12 +24,7 @@ def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None
     if dtype is None:
         dtype = load_dtype(str(path), config, safetensors.Reader(path))
     with init_empty_weights():
-        if cls is not None:
-            model = cls(config).to(dtype)
-        else:   # an Auto class's from_config calls the class's _from_config: the same model either way
-            found = auto_class(config)
-            model = found.from_config(config, dtype=dtype) if hasattr(found, "from_config") else \
-                found._from_config(config, dtype=dtype)
+        model = build_model(cls or auto_class(config), config, dtype)
     model.tie_weights()  # ties made inside init_empty_weights are lost (it re-creates each parameter)
     return model.eval()
 

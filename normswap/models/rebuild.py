@@ -15,7 +15,8 @@ from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError, reraised
 from normswap.models import portable, schema
 from normswap.models.hub import MODELING_FILE
-from normswap.models.source import DTYPES, check_weights, ignored_keys, read_config, transformers_class
+from normswap.models.source import (DTYPES, build_model, check_weights, ignored_keys, read_config,
+                                    transformers_class)
 from normswap.norms import build_norm
 
 
@@ -88,7 +89,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise NormswapError(f"{path}: bad config.json: {why}") from None
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
-    model = cls(config).to(DTYPES[dtype] if dtype else stored)
+    model = build_model(cls, config, DTYPES[dtype] if dtype else stored)
     with reraised(portable.InvalidConversion):
         portable.rebuild(model, section, str(path), build_norm)   # what the shipped modeling_normswap.py runs
     _warn_old_code(path, section)

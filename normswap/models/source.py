@@ -78,6 +78,27 @@ def auto_class(config):
     return AutoModel
 
 
+def build_model(cls, config, dtype: torch.dtype):
+    """`cls` (a model or Auto class) built from `config` in `dtype` as transformers' from_pretrained builds it:
+    tensors made in the default dtype take `dtype`, those made in another keep it, and those the class keeps
+    in float32 (`_keep_in_fp32_modules` for float16, `_keep_in_fp32_modules_strict` for 16-bit) are float32."""
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config   # an Auto class, or a model
+    model = make(config, dtype=dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation   # transformers' own matching
+        pattern, groups, _ = build_glob_alternation(list(plan))
+        for name, t in model.state_dict(keep_vars=True).items():
+            found = pattern.search(name)
+            if found and t.is_floating_point() and t.dtype != plan[groups[found.lastgroup]]:
+                owner, _, attr = name.rpartition(".")
+                if isinstance(t, torch.nn.Parameter):
+                    t.data = t.data.to(plan[groups[found.lastgroup]])
+                else:
+                    model.get_submodule(owner)._buffers[attr] = t.to(plan[groups[found.lastgroup]])
+    return model
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         return False

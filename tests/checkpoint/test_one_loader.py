@@ -104,6 +104,14 @@ def batchnorm(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
+def keep_fp32(folder: Path) -> None:
+    """float16 RWKV: transformers keeps its `_keep_in_fp32_modules` (time_decay, time_first) in float32."""
+    torch.manual_seed(0)
+    perturb(tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2,
+                                             attention_hidden_size=32, intermediate_size=64, context_length=64))
+            ).half().save_pretrained(folder)
+
+
 def stale_buffer(folder: Path) -> None:
     """A position_ids entry that the model keeps as a non-persistent buffer: transformers ignores it."""
     torch.manual_seed(0)
@@ -150,6 +158,7 @@ FOLDERS = {
     "config-bf16-weights-fp32": (lambda f: (gpt2(f), edit_config(f, dtype="bfloat16")), "converts"),
     "explicit-weights": (explicit_weights, "converts"), "marian": (marian, "converts"),
     "batchnorm": (batchnorm, "converts"), "stale-buffer": (stale_buffer, "converts"),
+    "keep-fp32": (keep_fp32, "converts"),
     "no-bytes": (bad_header(empty=(f"{LN}.bias",)), "is given 0 bytes"),
     "shared-bytes": (bad_header(share={f"{LN}.bias": f"{LN}.weight"}), "it overlaps another"),
     "gap": (bad_header(gap_after=f"{LN}.weight"), "(a gap)"),
