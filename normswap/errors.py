@@ -7,6 +7,7 @@ the two, so the library never speaks of flags and the CLI never of keyword argum
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 
 # Python spelling -> CLI spelling of the options errors name.
 FLAGS = {
@@ -30,6 +31,16 @@ class NormswapError(Exception):
     def for_cli(self) -> str:
         """The message with each named option as the command line spells it."""
         return _NAMED.sub(lambda m: FLAGS.get(m.group(1), m.group(1)), super().__str__())
+
+
+@contextmanager
+def reraised(*kinds: type[Exception]):
+    """Inside it, an exception of `kinds` becomes a NormswapError with the same one-line message (for code
+    that cannot know NormswapError: `models.portable`, which converted folders ship)."""
+    try:
+        yield
+    except kinds as e:
+        raise NormswapError(str(e)) from None
 
 
 class Interrupted(KeyboardInterrupt):

@@ -22,6 +22,7 @@ from normswap.export.onnx import check_replaceable as check_onnx_replaceable
 from normswap.healing.loop import HealReport, heal
 from normswap.models.load import LoadOptions, load_model
 from normswap.models.save import save_pretrained
+from normswap.models.source import check_code, read_config, resolve_source
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
 from normswap.surgery.convert import convert
 from normswap.surgery.probe import NONFINITE
@@ -128,6 +129,9 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     """
     o, out = options, str(out)
     _check_outputs(src, out, o)
+    where, local = resolve_source(src)
+    if local:   # a folder with its own model code: refused before any work, streaming or not
+        check_code(src, read_config(where), o.load.trust_remote_code, converting=True)
     device = resolve_device(o.device)
     texts = _heal_texts(o)
     notices: list[str] = []

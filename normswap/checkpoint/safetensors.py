@@ -23,10 +23,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, reraised
+from normswap.models import portable
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+WEIGHTS, INDEX = portable.WEIGHTS, portable.INDEX
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -77,26 +77,24 @@ def has_weights(path: str | Path) -> bool:
 
 
 class Reader:
-    """Tensors of a checkpoint folder (`model.safetensors` or an index), read one at a time."""
+    """Tensors of a checkpoint folder, read one at a time: the files transformers would load (`weights_files`:
+    model.safetensors wins over an index beside it), every header validated before any tensor is read."""
 
     def __init__(self, path: str | Path, mapped: bool = False):
         path, self.mapped = Path(path), mapped
-        if (path / INDEX).exists():
-            try:
-                weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError):
-                raise NormswapError(f"{path / INDEX} is not a safetensors index (no weight_map)") from None
-            files = sorted(set(weight_map.values()))
-        elif (path / WEIGHTS).exists():
-            files = [WEIGHTS]
-        else:
-            raise NormswapError(f"{path} has no {WEIGHTS} nor {INDEX}")
+        explicit = _explicit_weights(path)
+        with reraised(portable.InvalidConversion):
+            source = portable.weights_source(path, explicit)
+            self.files = [path / name for name in portable.weights_files(path, explicit)]
+            index = portable.read_index(path / source) if source.endswith(".index.json") else {}
+        metadata = index.get("metadata")
+        self.index_dtype = metadata.get("dtype") if isinstance(metadata, dict) else None
         self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
-        for name in files:
-            file = path / name
-            if not file.exists():
-                raise NormswapError(f"{path}: shard {name} listed in {INDEX} is missing")
+        for file in self.files:
             for key, (dtype, shape, start, end) in _header(file).items():
+                if key in self.entries:
+                    raise NormswapError(f"{path}: tensor {key} is stored in two files ({self.entries[key][0].name} "
+                                        f"and {file.name})")
                 self.entries[key] = (file, dtype, shape, start, end)
 
     def keys(self) -> list[str]:
@@ -137,34 +135,65 @@ def _mapped(file: Path, key: str, dtype: torch.dtype, shape: list[int], start: i
                             count=(end - start) // dtype.itemsize).reshape(shape)
 
 
-def raw_header(file: Path) -> bytes:
-    """The JSON header of a safetensors file, as stored (tensor names, dtypes, shapes, offsets)."""
-    with open(file, "rb") as f:
-        try:
-            (n,) = struct.unpack("<Q", f.read(8))
-        except struct.error:
-            raise NormswapError(f"{file} is not a safetensors file") from None
-        if n > os.fstat(f.fileno()).st_size - 8:
-            raise NormswapError(f"{file} is not a safetensors file")
-        return f.read(n)
+def _explicit_weights(path: Path) -> str | None:
+    """config.json's `transformers_weights` (the weights file transformers is told to load), if any."""
+    try:
+        name = json.loads((path / "config.json").read_text()).get("transformers_weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _unique(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"tensor {next(k for k in keys if keys.count(k) > 1)} appears twice")
+    return dict(pairs)
 
 
 def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
-    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header."""
-    raw = raw_header(file)
+    """key -> (dtype, shape, absolute start, absolute end) from a safetensors file's header, validated as the
+    safetensors library validates it before anything is read: the tensors' byte ranges, in order of offset,
+    follow each other from the end of the header to the end of the file with no gap and no overlap, and each
+    holds exactly shape x dtype bytes (so no tensor reads another's bytes, or memory no file backs)."""
+    with reraised(portable.InvalidConversion):
+        raw = portable.raw_header(file)
+
+    def bad(why: str) -> NormswapError:
+        return NormswapError(f"{file} is not a valid safetensors file: {why}")
     try:
-        header = json.loads(raw)
-    except ValueError:
-        raise NormswapError(f"{file} is not a safetensors file") from None
-    n = len(raw)
-    out = {}
+        header = json.loads(raw.decode(), object_pairs_hook=_unique) if raw.startswith(b"{") else None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, a duplicate name
+        raise bad(f"bad header ({str(e).splitlines()[0]})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    data = os.path.getsize(file) - 8 - len(raw)
+    ranges = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
-            raise NormswapError(f"{file}: unsupported dtype {info['dtype']} for {key}")
-        start, end = info["data_offsets"]
-        out[key] = (_DTYPES[info["dtype"]], info["shape"], 8 + n + start, 8 + n + end)
+        ok = isinstance(info, dict) and all(isinstance(info.get(k), list) for k in ("shape", "data_offsets"))
+        numbers = info["shape"] + info["data_offsets"] if ok else []
+        if not ok or len(info["data_offsets"]) != 2 or not all(type(n) is int and n >= 0 for n in numbers):
+            raise bad(f"tensor {key} has no valid dtype, shape and data_offsets")
+        if info.get("dtype") not in _DTYPES:
+            raise NormswapError(f"{file}: unsupported dtype {info.get('dtype')} for {key}")
+        ranges.append((*info["data_offsets"], key, _DTYPES[info["dtype"]], info["shape"]))
+    end = 0
+    out = {}
+    for start, stop, key, dtype, shape in sorted(ranges, key=lambda r: r[:2]):
+        if start != end:
+            raise bad(f"tensor {key} starts at byte {start} of the data, not at {end} where the previous one ends "
+                      f"({'it overlaps another' if start < end else 'a gap'})")
+        if stop - start != nbytes(shape, dtype):
+            raise bad(f"tensor {key} is given {stop - start} bytes, its shape {shape} in {dtype} needs "
+                      f"{nbytes(shape, dtype)}")
+        end = stop
+        out[key] = (dtype, shape, 8 + len(raw) + start, 8 + len(raw) + stop)
+    if end > data:
+        raise NormswapError(f"{file} is truncated: its tensors need {end} bytes after the header, it holds {data}")
+    if end < data:
+        raise bad(f"{data - end} bytes after its last tensor, which no tensor covers")
     return out
 
 

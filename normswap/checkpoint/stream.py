@@ -26,15 +26,17 @@ from transformers import GenerationConfig
 from normswap import progress
 from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, trim
-from normswap.checkpoint.meta import check_folder, skeleton
-from normswap.errors import NormswapError
+from normswap.checkpoint.meta import open_folder, read_buffers, skeleton
+from normswap.errors import NormswapError, reraised
 from normswap.models.inputs import sample_inputs
 from normswap.models.load import load_tokenizer
-from normswap.models.rebuild import apply_structure, base_config
+from normswap.models import portable
+from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, dtype_name, read_config
+from normswap.norms import build_norm
 from normswap.parity import Parity, compare, refuse_nonfinite
-from normswap.surgery.algebra import centre_outputs, ensure_bias, fold_bias, scale_outputs
+from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
@@ -94,7 +96,7 @@ class Deferred:
             elif step.op == "fold":
                 b = model.get_submodule(step.norm).bias.detach().double()
                 layer = model.get_submodule(step.target)
-                _, created = ensure_bias(layer)  # on meta: the pass below fills it
+                _, created = portable.ensure_bias(layer)  # on meta: the pass below fills it
                 if created:
                     added.append(step.target)
                     self.lazy.new.add(f"{step.target}.bias")
@@ -157,15 +159,17 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = 
     raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
     config, cls = base_config(raw, raw["normswap"], str(out))
     converted = skeleton(out, config, dtype, cls)
-    apply_structure(converted, raw["normswap"])
-    reference = skeleton(src, None, dtype)
+    with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
+        portable.rebuild(converted, raw["normswap"], str(out), build_norm)
+    reference, source = open_folder(src, dtype)
     inputs = _sample_inputs(reference)
     total = len(inputs) * (safetensors.Reader(src).total_size() + safetensors.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
-        lazies = []
-        for model, folder in ((reference, src), (converted, out)):
-            lazies.append(Lazy(model, safetensors.Reader(folder, mapped=True), bar))
-            lazies[-1].attach(model.float())
+        source.bar = bar
+        lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
+        read_buffers(converted, lazies[1])
+        for model, lazy in zip((reference, converted), lazies):
+            lazy.attach(model.float())
         with LoadOnUse(*lazies):
             return compare(reference, converted, inputs)
 
@@ -196,14 +200,9 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     written) for a folder that converts only in memory.
     """
     src, dtype = Path(src).expanduser(), dtype_name(dtype)
-    try:
-        model = skeleton(src, None, DTYPES[dtype] if dtype else None)
-    except Exception as e:  # as load_model says it: one line
-        raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
+    model, lazy = open_folder(src, DTYPES[dtype] if dtype else None)
     if (src / "generation_config.json").exists():  # as from_pretrained does
         model.generation_config = GenerationConfig.from_pretrained(src)
-    lazy = Lazy(model, safetensors.Reader(src, mapped=True))
-    check_folder(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
     report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)[0]))

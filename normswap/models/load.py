@@ -2,7 +2,8 @@
 
 Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
 do not match the config unless allow_missing_weights is given. Folders normswap saved are rebuilt by
-`rebuild.from_pretrained`, never through their own modeling file.
+`rebuild.from_pretrained`, never through their own modeling file. A local folder is read as streaming reads
+it (`checkpoint.stream`): the same weights files, headers validated first, the same dtype (`load_dtype`).
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
+from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.models.demo import DEMO_NAME
 from normswap.models.rebuild import from_pretrained
-from normswap.models.source import DTYPES, auto_class, check_weights, dtype_name, read_config, resolve_source
+from normswap.models.source import (DTYPES, auto_class, check_code, check_weights, dtype_name, load_dtype,
+                                    read_config, resolve_source, weights_reader)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
                    "spiece.model")
@@ -45,14 +48,19 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
     if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code
         model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow_missing_weights).eval()
         return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
+    if local:
+        check_code(src, read_config(where), trust_remote_code, converting=False)
+    # Every header transformers will read, validated before it reads a byte (as streaming does).
+    reader = weights_reader(src, where) if local and safetensors.has_weights(where) else None
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)
         if getattr(config, "normswap", None):
             model = from_pretrained(where, dtype=dtype, allow_missing_weights=allow_missing_weights)
         else:
+            load_as = DTYPES[dtype] if dtype else load_dtype(src, config, reader) if reader else "auto"
             model, info = auto_class(config).from_pretrained(
                 where, local_files_only=local, trust_remote_code=trust_remote_code,
-                dtype=DTYPES[dtype] if dtype else "auto", output_loading_info=True, ignore_mismatched_sizes=True)
+                dtype=load_as, output_loading_info=True, ignore_mismatched_sizes=True)
             check_weights(src, info["missing_keys"], info["unexpected_keys"],
                           [(k, a, b) for k, a, b in info["mismatched_keys"]], allow_missing_weights)
     except NormswapError:

@@ -1,8 +1,10 @@
 """A folder saved by normswap, rebuilt: the original transformers class from config.json, the recorded
-structure (norms, added biases, output and input fixes) applied, the weights loaded. No code from the
-folder runs (its `auto_map` is ignored)."""
+structure (norms, added biases, output and input fixes) applied by `portable.rebuild` (the code the folder
+ships, run here with normswap's own norm modules), the weights loaded. No code from the folder runs (its
+`auto_map` is ignored)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -10,22 +12,12 @@ import transformers
 from torch import nn
 
 from normswap.checkpoint import safetensors
-from normswap.errors import NormswapError
-from normswap.models import schema
-from normswap.models.source import DTYPES, check_weights, dtype_name, read_config, transformers_class
+from normswap.errors import NormswapError, reraised
+from normswap.models import portable, schema
+from normswap.models.hub import MODELING_FILE
+from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
+                                    transformers_class)
 from normswap.norms import build_norm
-from normswap.surgery.algebra import ensure_bias
-from normswap.surgery.centring import apply_output_fixes
-from normswap.surgery.walk import replace_module
-
-
-def apply_structure(model: nn.Module, section: dict) -> None:
-    """Recreate the module changes recorded in a config's `normswap` section (norms, biases, output fixes)."""
-    for name, spec in section.get("norms", {}).items():
-        replace_module(model, name, build_norm(spec, like=model.get_submodule(name)))
-    for name in section.get("added_biases", []):
-        ensure_bias(model.get_submodule(name))
-    apply_output_fixes(model, section.get("output_fixes", {}))  # after the norms: fixes may sit on them
 
 
 def base_config(raw: dict, section: dict, where: str):
@@ -44,13 +36,15 @@ def base_config(raw: dict, section: dict, where: str):
 
 def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
     """Fill `model` from a checkpoint folder (one file or shards), a tensor at a time, naming every missing,
-    unexpected or wrong-shaped tensor (tied tensors are stored once, under their first name)."""
+    unexpected or wrong-shaped tensor (a tied tensor is stored once, under any of its names; the tensors
+    transformers ignores when missing or unexpected are ignored)."""
     reader = safetensors.Reader(path)
     alias = safetensors.aliases(model)
     state = model.state_dict(keep_vars=True)
     stored = set(reader.keys())
-    missing = sorted(k for k in state if alias.get(k, k) == k and k not in stored)
-    unexpected = sorted(stored - set(state))
+    present = {alias.get(k, k) for k in stored & set(state)}
+    missing = [k for k in state if alias.get(k, k) == k and k not in present]
+    missing, unexpected = ignored_keys(model, missing, stored - set(state))
     mismatched = [(k, reader.meta(k)[1], list(state[k].shape)) for k in sorted(stored & set(state))
                   if list(reader.meta(k)[1]) != list(state[k].shape)]
     check_weights(str(path), missing, unexpected, mismatched, allow)
@@ -59,6 +53,17 @@ def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
         for key in reader.keys():
             if key in state and key not in bad:
                 state[key].copy_(reader.get(key))
+
+
+def _warn_old_code(path: Path, section: dict) -> None:
+    """A folder whose plan has input fixes, saved before its modeling_normswap.py applied them (normswap before
+    `portable`): right here, a different model in plain transformers. Said once, with the way out."""
+    file = path / MODELING_FILE
+    if any(spec.get("input") for spec in section.get("output_fixes", {}).values()) and file.is_file() \
+            and "def add_input_fix" not in file.read_text():
+        print(f"warning: {path}: its {MODELING_FILE} predates input fixes, so plain transformers "
+              "(trust_remote_code=True) would load a different model from it; save it again with normswap "
+              "(normswap.save_pretrained) to update that file", file=sys.stderr)
 
 
 def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool = False) -> nn.Module:
@@ -75,7 +80,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     schema.validate(section, str(path))
     if not safetensors.has_weights(path):
         raise NormswapError(f"{path} has no {safetensors.WEIGHTS} nor {safetensors.INDEX}")
-    schema.verify_checksum(section, path, str(path), header=False)  # the weights: checked by name below
+    schema.verify_checksum(section, None, str(path))   # a hand-edited section: refused before building
     try:
         config, cls = base_config(raw, section, str(path))
     except NormswapError:
@@ -84,11 +89,13 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise NormswapError(f"{path}: bad config.json: {why}") from None
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
-    model = cls(config).to(DTYPES[dtype] if dtype else stored)
-    schema.validate(section, str(path), model)
-    apply_structure(model, section)
+    model = build_model(cls, config, DTYPES[dtype] if dtype else stored)
+    with reraised(portable.InvalidConversion):
+        portable.rebuild(model, section, str(path), build_norm)   # what the shipped modeling_normswap.py runs
+    _warn_old_code(path, section)
     _load_weights(model, path, allow_missing_weights)
-    schema.verify_checksum(section, path, str(path), header=not allow_missing_weights)
+    if not allow_missing_weights:   # names, shapes and sizes as saved (the values are not hashed)
+        schema.verify_checksum(section, path, str(path))
     _load_generation_config(model, path)
     return model.eval()
 

@@ -17,6 +17,7 @@ from normswap.errors import NormswapError
 from normswap.models import schema
 from normswap.models.hub import make_self_describing
 from normswap.models.introspect import is_causal_lm
+from normswap.models.source import transformers_class
 
 
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool | str = False,
@@ -33,10 +34,16 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     if not hasattr(model, "config"):
         raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
     safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
+    section = getattr(model.config, "normswap", None)
+    if section and transformers_class(type(model).__name__) is not type(model):
+        raise NormswapError(f"cannot save the converted {type(model).__name__}: it is not a transformers class (its "
+                            "code came from a model folder or from you), so the saved folder could not be rebuilt "
+                            "exactly, in normswap or in plain transformers; nothing was written")
+    if getattr(model.config, "transformers_weights", None):   # the source's weights file name, not ours
+        delattr(model.config, "transformers_weights")
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
-    section = getattr(model.config, "normswap", None)
     with atomic_dir(out, overwrite) as tmp:
         safetensors.save_model(model, tmp, max_shard_size, tensors)  # tied tensors once, restored by loading
         if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum

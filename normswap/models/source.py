@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import transformers
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForCTC, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
 
+from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.models.demo import DEMO_DIR, DEMO_NAME
 from normswap.models.introspect import is_causal_lm
@@ -39,11 +41,38 @@ def transformers_class(name: str):
     return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
 
 
+def model_code(config: dict) -> dict[str, str]:
+    """The entries of config.json's `auto_map` that name the folder's own config or model classes."""
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    return {k: v for k, v in auto_map.items() if k == "AutoConfig" or k.startswith("AutoModel")} \
+        if isinstance(auto_map, dict) else {}
+
+
+def check_code(src: str, config: dict, trust_remote_code: bool, converting: bool) -> None:
+    """Refuse a SRC folder that ships its own model code (auto_map) unless `trust_remote_code`, even when its
+    model_type is also one transformers knows (which class would the folder's owner mean?); and, when
+    `converting`, refuse it in any case: a converted folder must rebuild exactly without code normswap did
+    not write (its modeling_normswap.py derives from transformers' own classes only). normswap's own folders
+    are rebuilt from the section's `base` and never run their auto_map."""
+    code = model_code(config)
+    if not code or config.get("normswap"):
+        return
+    names = ", ".join(f"{k} -> {v}" for k, v in sorted(code.items()))
+    if converting:
+        raise NormswapError(f"cannot convert {src}: it ships its own model code (auto_map: {names}); normswap "
+                            "converts only transformers' own model classes, whose converted folder it can rebuild "
+                            "exactly, in normswap and in plain transformers")
+    if not trust_remote_code:
+        raise NormswapError(f"cannot load model from {src}: it ships its own Python code (auto_map: {names}), which "
+                            "normswap runs only with `trust_remote_code=True`")
+
+
 def auto_class(config):
     """The class that loads config.architectures' head: the transformers class it names (built in, for this
-    config: never the folder's own code), else the Auto class for its kind (causal LM, (speech) seq2seq,
-    image classifier, CTC), else AutoModel (no head)."""
-    for name in getattr(config, "architectures", None) or []:
+    config: never the folder's own code, unless the config comes from it), else the Auto class for its kind
+    (causal LM, (speech) seq2seq, image classifier, CTC), else AutoModel (no head)."""
+    own_code = model_code(config.to_dict()) if hasattr(config, "to_dict") else {}
+    for name in [] if own_code else getattr(config, "architectures", None) or []:
         cls = transformers_class(name)
         if cls is not None and isinstance(getattr(cls, "config_class", None), type) and \
                 isinstance(config, cls.config_class):
@@ -59,6 +88,27 @@ def auto_class(config):
                 if type(config) in cls._model_mapping:
                     return cls
     return AutoModel
+
+
+def build_model(cls, config, dtype: torch.dtype):
+    """`cls` (a model or Auto class) built from `config` in `dtype` as transformers' from_pretrained builds it:
+    tensors made in the default dtype take `dtype`, those made in another keep it, and those the class keeps
+    in float32 (`_keep_in_fp32_modules` for float16, `_keep_in_fp32_modules_strict` for 16-bit) are float32."""
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config   # an Auto class, or a model
+    model = make(config, dtype=dtype)
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    if plan:
+        from transformers.core_model_loading import build_glob_alternation   # transformers' own matching
+        pattern, groups, _ = build_glob_alternation(list(plan))
+        for name, t in model.state_dict(keep_vars=True).items():
+            found = pattern.search(name)
+            if found and t.is_floating_point() and t.dtype != plan[groups[found.lastgroup]]:
+                owner, _, attr = name.rpartition(".")
+                if isinstance(t, torch.nn.Parameter):
+                    t.data = t.data.to(plan[groups[found.lastgroup]])
+                else:
+                    model.get_submodule(owner)._buffers[attr] = t.to(plan[groups[found.lastgroup]])
+    return model
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -107,6 +157,56 @@ def read_config(path: str | Path) -> dict:
     if not isinstance(raw, dict):
         raise NormswapError(f"{file} is not a JSON object")
     return raw
+
+
+def weights_reader(src: str, where: str | Path, mapped: bool = False) -> safetensors.Reader:
+    """The tensors of folder `where` as transformers would load them (headers validated before any is read);
+    an error names the SRC that cannot load."""
+    try:
+        return safetensors.Reader(where, mapped)
+    except NormswapError as e:
+        raise NormswapError(f"cannot load model from {src}: {e}") from None
+
+
+def load_dtype(src: str, config, reader) -> torch.dtype:
+    """The dtype a checkpoint loads in when none is asked for: what transformers' dtype="auto" picks, for
+    in-memory and streaming conversions alike: config.json's `dtype` (`torch_dtype`), else the index's
+    metadata dtype, else the first floating-point tensor (by name) of the first weights file. Every
+    floating-point tensor is cast to it; a warning names those the cast loses precision in."""
+    chosen = getattr(config, "dtype", None) or reader.index_dtype
+    if chosen is None:
+        first = reader.files[0]
+        chosen = next((d for k, (f, d, *_) in sorted(reader.entries.items()) if f == first and d.is_floating_point
+                       and d.itemsize > 1), torch.float32)
+    chosen = getattr(torch, str(chosen).replace("torch.", ""), None) if not isinstance(chosen, torch.dtype) else chosen
+    if not isinstance(chosen, torch.dtype) or not chosen.is_floating_point:
+        raise NormswapError(f"{src}: config.json's dtype {getattr(config, 'dtype', None)!r} is not a torch "
+                            "floating-point dtype")
+    narrowed = sorted({d for d, _ in map(reader.meta, reader.keys())
+                       if d.is_floating_point and d != chosen and d.itemsize >= chosen.itemsize})
+    if narrowed:
+        named = str(chosen).replace("torch.", "")
+        kinds = ", ".join(str(d).replace("torch.", "") for d in narrowed)
+        print(f"warning: {src}: tensors stored in {kinds} are loaded in {named} (config.json's dtype, as transformers "
+              f"loads them), which rounds them; to keep them, load with dtype='float32' (CLI: --dtype fp32)",
+              file=sys.stderr)
+    return chosen
+
+
+def ignored_keys(model, missing, unexpected) -> tuple[list[str], list[str]]:
+    """`missing` and `unexpected` tensor names without those transformers does not report when loading `model`
+    (as `PreTrainedModel._adjust_missing_and_unexpected_keys`): the class's `_keys_to_ignore_on_load_missing`
+    (Marian's sinusoidal positions, made when the model is built) and `_keys_to_ignore_on_load_unexpected`
+    patterns, and stale `rotary_emb.inv_freq` / `position_ids` entries where the model has such buffers."""
+    buffers = [name for name, _ in model.named_buffers()]
+    extra = {r"rotary_emb\.inv_freq"} if any(b.endswith("rotary_emb.inv_freq") for b in buffers) else set()
+    extra |= {r"(^|\.)position_ids$"} if any(b.endswith("position_ids") for b in buffers) else set()
+
+    def keep(keys, patterns) -> list[str]:
+        found = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+        return sorted(k for k in keys if found is None or found.search(k) is None)
+    return (keep(missing, set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())),
+            keep(unexpected, set(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) | extra))
 
 
 def _names(keys, limit: int = 5) -> str:

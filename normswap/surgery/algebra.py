@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_conv1d
+from normswap.models.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
 
 CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
 
@@ -72,16 +73,6 @@ def fold_scale(scale: nn.Module, layer: nn.Module) -> None:
     lam = next(scale.parameters())
     scale_outputs(layer, lam)
     lam.fill_(1.0)
-
-
-def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
-    """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
-    if getattr(layer, "bias", None) is not None:
-        return layer.bias, False
-    w = layer.weight
-    out_features = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # Conv1D stores (in, out)
-    layer.bias = nn.Parameter(torch.zeros(out_features, device=w.device, dtype=w.dtype))
-    return layer.bias, True
 
 
 def fold_bias(layer: nn.Module, b: torch.Tensor) -> bool:

@@ -133,7 +133,7 @@ def test_from_pretrained_refuses_a_different_weights_file_with_the_same_names(co
     state = safetensors.torch.load_file(folder / WEIGHTS)
     state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].half()  # same name, shape: new header
     safetensors.torch.save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
-    with pytest.raises(NormswapError, match="are not the ones normswap saved"):
+    with pytest.raises(NormswapError, match="are not the ones saved with this config"):
         normswap.from_pretrained(folder)
 
 
@@ -248,6 +248,29 @@ def test_remote_code_runs_only_with_the_flag(tmp_path):
     assert "[y/N]" not in result.stdout + result.stderr
     result = _cli(tmp_path, "inspect", tmp_path / "src", "--trust-remote-code", stdin="")
     assert (tmp_path / "marker").exists() and result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("model_type", ["x-custom", "gpt2"])   # gpt2: a type transformers also knows
+def test_folders_with_their_own_code_are_never_converted(tmp_path, model_type):
+    """Issue 18.5: with the flag, the in-memory path wrote the folder's auto_map and no modeling file (plain
+    transformers then built the LayerNorm class: rel 0.32), streaming ignored the flag, and a known model_type
+    was silently converted as transformers' class. Now: loaded only with the flag, as the folder's own class;
+    converted never (the converted folder could not be rebuilt without that code), before anything is written."""
+    _custom_code_folder(tmp_path / "src", tmp_path / "marker", model_type)
+    with pytest.raises(NormswapError, match="runs only with trust_remote_code=True"):
+        load_model(str(tmp_path / "src"))
+    assert not (tmp_path / "marker").exists()
+    model, _ = load_model(str(tmp_path / "src"), trust_remote_code=True)
+    assert type(model).__name__ == "XModel" and (tmp_path / "marker").exists()
+    normswap.convert(model, method="exact")   # in Python, in memory: fine; saving it is not
+    with pytest.raises(NormswapError, match="not a transformers class"):
+        normswap.save_pretrained(model, tmp_path / "api")
+    for flags in ([], ["--trust-remote-code"]):
+        result = _cli(tmp_path, "convert", tmp_path / "src", "--to", "rmsnorm", "-o", tmp_path / "out", *flags,
+                      stdin="y\n")
+        assert result.returncode == 1 and "ships its own model code" in result.stderr, result.stderr
+        assert result.stderr.strip().count("\n") == 0
+    assert not (tmp_path / "api").exists() and not (tmp_path / "out").exists()
 
 
 def test_normswap_folder_with_auto_map_loads_without_its_code(converted, tmp_path):

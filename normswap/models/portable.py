@@ -1,0 +1,382 @@
+"""What rebuilds a saved conversion: normswap runs it, and so does every converted folder, as its own code.
+
+One source for both loaders. normswap imports this module to rebuild its folders (`rebuild.from_pretrained`,
+streaming's verification), and `save_pretrained` copies this file verbatim into each folder as
+modeling_normswap.py, followed by generated subclasses of the original transformers classes, which
+transformers runs with trust_remote_code=True. So it imports only the standard library and torch (and
+transformers, lazily), never normswap; a test fails if the shipped copy differs from this file.
+
+- `validate`, `verify_checksum`: config.json's `normswap` section (types, ranges, named modules) and its
+  checksum: of the section itself and of the headers of the weights files transformers loads (`weights_files`).
+- `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch
+  `build_norm` below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast
+  kernels for the same arithmetic, held equal by a test), the added biases, the output and input fixes.
+- `NormswapMixin`: first in the bases of a transformers class, it runs `rebuild` when the model is built,
+  checks the weights' checksum in from_pretrained and records the new one in save_pretrained.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+FORMAT = 2  # 2: adds `base` and `checksum`; format 1 folders (no checksum) cannot be trusted
+NORM_TYPES = ("rmsnorm", "prmsnorm")
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class InvalidConversion(ValueError):
+    """A folder or section that would not rebuild the converted model; the message is one line."""
+
+
+# ---- the norms ---------------------------------------------------------------------------------------------
+
+def partial_width(d: int, p: float | None) -> int:
+    """Features pRMSNorm reads: ceil(p * d), at least 1, where p * d within 1e-12 of an integer is that
+    integer (p=0.07, d=100 gives 7, as the decimal says)."""
+    if p is None:
+        return d
+    x = p * d
+    n = round(x)
+    return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; squares and mean in fp32.
+
+    Each row is first divided by the power of two below its max |x| (never scaled up): exact, so the
+    same values, but no fp32 overflow of the squares for |x| > ~1.8e19. Same arithmetic as normswap's."""
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
+                 p: float | None = None):
+        super().__init__()
+        self.normalized_shape, self.eps, self.p = int(normalized_shape), float(eps), p
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        k = partial_width(x.shape[-1], self.p)  # pRMSNorm: the first k features
+        xk = xf if k == x.shape[-1] else xf[..., :k]
+        m = xk.detach().abs().amax(-1, keepdim=True)
+        inv = 1.0 / (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+        xf, xk, eps = xf * inv, xk * inv, self.eps * inv * inv
+        y = xf / torch.sqrt(xk.pow(2).mean(-1, keepdim=True) + eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        p = "" if self.p is None else f", p={self.p}"
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{p}"
+
+
+class PartialRMSNorm(RMSNorm):
+    """pRMSNorm: the RMS is estimated from the first ceil(p * d) features."""
+
+
+def build_norm(spec: dict, like: nn.Module) -> nn.Module:
+    """The norm a section's `norms` entry describes, on the device and in the dtype of `like`'s weight."""
+    cls = PartialRMSNorm if spec["type"] == "prmsnorm" else RMSNorm
+    new = cls(spec["width"], eps=spec["eps"], elementwise_affine=spec["affine"],
+              p=spec["p"] if spec["type"] == "prmsnorm" else None)
+    ref = getattr(like, "weight", None)
+    return new.to(ref.device, ref.dtype) if ref is not None else new
+
+
+# ---- the section -------------------------------------------------------------------------------------------
+
+def _fail(where: str, msg: str):
+    raise InvalidConversion(f"{where}: invalid 'normswap' section in config.json: {msg}")
+
+
+def _get(where: str, d, key: str, types, ctx: str):
+    if not isinstance(d, dict):
+        _fail(where, f"{ctx} must be an object")
+    if key not in d:
+        _fail(where, f"{ctx} has no '{key}'")
+    value = d[key]
+    types = types if isinstance(types, tuple) else (types,)
+    # bool is an int to Python; it is never a valid number or width here.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object",
+                 list: "a list"}
+        _fail(where, f"{ctx}.{key} = {value!r} is not {' or '.join(names[t] for t in types)}")
+    return value
+
+
+def _check_norm(where: str, name: str, spec) -> None:
+    ctx = f"norms[{name!r}]"
+    kind = _get(where, spec, "type", str, ctx)
+    if kind not in NORM_TYPES:
+        _fail(where, f"{ctx}.type = {kind!r} is not one of {', '.join(NORM_TYPES)}")
+    if _get(where, spec, "width", int, ctx) < 1:
+        _fail(where, f"{ctx}.width must be >= 1")
+    eps = _get(where, spec, "eps", (int, float), ctx)
+    if not (math.isfinite(eps) and eps > 0):
+        _fail(where, f"{ctx}.eps = {eps!r} must be finite and > 0")
+    _get(where, spec, "affine", bool, ctx)
+    if kind == "prmsnorm":
+        p = _get(where, spec, "p", (int, float), ctx)
+        if not (math.isfinite(p) and 0 < p <= 1):
+            _fail(where, f"{ctx}.p = {p!r} must be in (0, 1]")
+
+
+def validate(section, where: str, model: nn.Module | None = None) -> dict:
+    """Check `section` (format, types, ranges; with `model`, that every module it names exists)."""
+    if not isinstance(section, dict):
+        _fail(where, "it must be an object")
+    fmt = section.get("format")
+    if fmt != FORMAT:
+        raise InvalidConversion(f"{where}: normswap format {fmt!r} is not supported (this version reads format "
+                                f"{FORMAT}){'; convert the original model again' if fmt == 1 else ''}")
+    base = _get(where, section, "base", dict, "section")
+    for key in ("architecture", "model_type"):
+        _get(where, base, key, str, "base")
+    norms = _get(where, section, "norms", dict, "section")
+    for name, spec in norms.items():
+        _check_norm(where, name, spec)
+    biases = _get(where, section, "added_biases", list, "section")
+    if not all(isinstance(b, str) for b in biases):
+        _fail(where, "added_biases must list module names")
+    fixes = section.get("output_fixes", {})
+    if not isinstance(fixes, dict):
+        _fail(where, "output_fixes must be an object")
+    for name, spec in fixes.items():
+        ctx = f"output_fixes[{name!r}]"
+        _get(where, spec, "centre", bool, ctx)
+        if _get(where, spec, "bias", int, ctx) < 0:
+            _fail(where, f"{ctx}.bias must be >= 0")
+        if "input" in spec:
+            _get(where, spec, "input", bool, ctx)
+    sums = _get(where, section, "checksum", dict, "section")
+    for key in ("section", "weights_header"):
+        _get(where, sums, key, str, "checksum")
+    if model is not None:
+        known = dict(model.named_modules())
+        for name in [*norms, *biases, *fixes]:
+            if name not in known:
+                _fail(where, f"names module '{name}', which the {type(model).__name__} model does not have")
+    return section
+
+
+# ---- the weights files and the checksum --------------------------------------------------------------------
+
+def _inside(folder: Path, name, what: str) -> Path:
+    path = folder / name if isinstance(name, str) and name else None
+    if path is None or os.path.commonpath([os.path.abspath(folder), os.path.abspath(path)]) != os.path.abspath(folder):
+        raise InvalidConversion(f"{folder}: {what} {name!r} is not a file inside the folder")
+    if not path.is_file():
+        raise InvalidConversion(f"{folder}: {what} {name} is missing")
+    return path
+
+
+def read_index(file: Path) -> dict:
+    """A sharded checkpoint's index.json as a dict with a `weight_map` of tensor name -> shard file."""
+    try:
+        index = json.loads(Path(file).read_text())
+        if not isinstance(index["weight_map"], dict):
+            raise TypeError
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise InvalidConversion(f"{file} is not a safetensors index (no weight_map)") from None
+    return index
+
+
+def weights_source(folder: str | Path, explicit: str | None = None) -> str:
+    """The weights file or index transformers loads from `folder`: config.json's `transformers_weights` when
+    set, else model.safetensors when it exists (an index beside it is ignored), else the index."""
+    folder = Path(folder)
+    name = explicit or (WEIGHTS if (folder / WEIGHTS).is_file() else INDEX if (folder / INDEX).is_file() else None)
+    if name is None:
+        raise InvalidConversion(f"{folder} has no {WEIGHTS} nor {INDEX}")
+    _inside(folder, name, "weights file")
+    return name
+
+
+def weights_files(folder: str | Path, explicit: str | None = None) -> list[str]:
+    """The safetensors files transformers loads from `folder`, by name, in its order (`weights_source`, or the
+    shards its index lists, sorted)."""
+    folder = Path(folder)
+    name = weights_source(folder, explicit)
+    if not name.endswith(".index.json"):
+        return [name]
+    files = sorted(set(read_index(folder / name)["weight_map"].values()), key=str)
+    for shard in files:
+        _inside(folder, shard, f"shard listed in {name}:")
+    return files
+
+
+def raw_header(file: Path) -> bytes:
+    """The JSON header of a safetensors file, as stored (tensor names, dtypes, shapes, offsets)."""
+    with open(file, "rb") as f:
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+        except struct.error:
+            raise InvalidConversion(f"{file} is not a safetensors file (shorter than its header)") from None
+        if n > os.fstat(f.fileno()).st_size - 8:
+            raise InvalidConversion(f"{file} is not a safetensors file (its header runs past the end)")
+        return f.read(n)
+
+
+def _sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def checksum(section: dict, folder: str | Path | None, explicit: str | None = None) -> dict:
+    """Hashes of the section (without its checksum) and, given `folder`, of its weights files' headers
+    (names, dtypes, shapes, offsets; one file hashes as its header alone, shards as name + header each)."""
+    body = {k: v for k, v in section.items() if k != "checksum"}
+    out = {"section": _sha(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())}
+    if folder is not None:
+        files = weights_files(folder, explicit)
+        headers = [raw_header(Path(folder) / name) for name in files]
+        digest = headers[0] if files == [WEIGHTS] else b"".join(
+            name.encode() + b"\0" + header for name, header in zip(sorted(files), headers))
+        out["weights_header"] = _sha(digest)
+    return out
+
+
+def verify_checksum(section: dict, folder: str | Path | None, where: str, explicit: str | None = None) -> None:
+    """Refuse a section edited after it was saved; given `folder`, also weights other than the ones saved."""
+    expected, actual = section["checksum"], checksum(section, folder, explicit)
+    if expected["section"] != actual["section"]:
+        raise InvalidConversion(f"{where}: the 'normswap' section of config.json was edited after normswap saved "
+                                "it (checksum mismatch): refusing a model that may be wrong; convert the original "
+                                "again")
+    if folder is not None and expected["weights_header"] != actual["weights_header"]:
+        raise InvalidConversion(f"{where}: the weights are not the ones saved with this config (their tensor names, "
+                                "shapes or sizes differ: checksum mismatch)")
+
+
+# ---- the structure: norms, added biases, output and input fixes --------------------------------------------
+
+def centred(x: torch.Tensor) -> torch.Tensor:
+    """x minus its mean over the last dim (the mean taken in fp32)."""
+    return x - x.float().mean(-1, keepdim=True).to(x.dtype)
+
+
+def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    if module.normswap_centre:
+        out = centred(out)
+    bias = getattr(module, "normswap_bias", None)
+    return out if bias is None else out + bias
+
+
+def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0) -> None:
+    """Make `module` return centre(out) + bias (a forward hook: the module, its parameter names and any tying
+    stay). bias=None with width>0 creates a zero bias `normswap_bias` (for loading: the weights fill it)."""
+    if hasattr(module, "normswap_centre"):
+        raise ValueError("module already has an output fix")
+    if bias is None and width:
+        bias = torch.zeros(width)
+    if bias is not None:
+        ref = next(module.parameters(), None)
+        kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
+        module.normswap_bias = nn.Parameter(bias.detach().to(**kw).clone())
+    module.normswap_centre = bool(centre)
+    module.register_forward_hook(_fix_output)
+
+
+def _centre_input(module: nn.Module, args, kwargs):
+    if args:
+        return (centred(args[0]), *args[1:]), kwargs
+    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    return args, {**kwargs, key: centred(kwargs[key])}
+
+
+def add_input_fix(module: nn.Module) -> None:
+    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity)."""
+    if getattr(module, "normswap_centre_input", False):
+        raise ValueError("module already has an input fix")
+    module.normswap_centre_input = True
+    module.register_forward_pre_hook(_centre_input, with_kwargs=True)
+
+
+def describe_fix(module: nn.Module) -> dict:
+    """What the section's `output_fixes` records for a fixed module."""
+    bias = getattr(module, "normswap_bias", None)
+    spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
+    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec
+
+
+def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
+    """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
+    if getattr(layer, "bias", None) is not None:
+        return layer.bias, False
+    w = layer.weight
+    out_features = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # Conv1D stores (in, out)
+    layer.bias = nn.Parameter(torch.zeros(out_features, device=w.device, dtype=w.dtype))
+    return layer.bias, True
+
+
+def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> None:
+    """The module changes a section records, on the original architecture (new tensors are placeholders the
+    weights fill): each norm replaced by make_norm(spec, old module), biases added, then the fixes (which may
+    sit on a norm)."""
+    for name, spec in section.get("norms", {}).items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, make_norm(spec, model.get_submodule(name)))
+    for name in section.get("added_biases", []):
+        ensure_bias(model.get_submodule(name))
+    for name, spec in section.get("output_fixes", {}).items():
+        if spec.get("input"):
+            add_input_fix(model.get_submodule(name))
+        if spec["centre"] or spec["bias"]:
+            add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])
+
+
+def rebuild(model: nn.Module, section, where: str, make_norm=build_norm) -> None:
+    """Turn a freshly built original architecture into the converted one: the section is validated against
+    the model and its own checksum checked (the weights' is checked once they are loaded), then applied."""
+    validate(section, where, model)
+    verify_checksum(section, None, where)
+    apply_structure(model, section, make_norm)
+
+
+# ---- transformers: the classes generated at the end of modeling_normswap.py derive from this ---------------
+
+def _folder(path, kwargs: dict) -> Path:
+    """The local folder from_pretrained read (a folder, or the Hub cache's snapshot it downloaded)."""
+    if os.path.isdir(path):
+        return Path(path) / kwargs.get("subfolder", "")
+    from transformers.utils import cached_file
+    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
+    return Path(cached_file(path, "config.json", **hub)).parent
+
+
+class NormswapMixin:
+    """Put first in the bases of a transformers model class: builds it, then applies config.normswap."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        rebuild(self, getattr(config, "normswap", None), getattr(config, "name_or_path", "") or "config.json")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        verify_checksum(model.config.normswap, _folder(pretrained_model_name_or_path, kwargs),
+                        str(pretrained_model_name_or_path), getattr(model.config, "transformers_weights", None))
+        return loaded
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' save, then the section's checksum of the weights files just written."""
+        out = super().save_pretrained(save_directory, *args, **kwargs)
+        path = Path(save_directory) / "config.json"
+        if path.is_file() and ((path.parent / WEIGHTS).is_file() or (path.parent / INDEX).is_file()):
+            section = self.config.normswap
+            section["checksum"] = checksum(section, path.parent)
+            config = json.loads(path.read_text())
+            config["normswap"] = section
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return out

@@ -1,0 +1,193 @@
+"""One implementation of a saved conversion (issue 18.2): the modeling_normswap.py every converted folder ships
+is `normswap/models/portable.py` verbatim, the module normswap itself rebuilds folders with; and plain
+transformers, with normswap unimportable, loads every exact family the tests convert as the original model."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import normswap
+from normswap.models import hub, portable
+from normswap.models.inputs import sample_inputs
+from normswap.parity import main_output
+
+from helpers.exact_models import FAMILIES, build, perturb
+from helpers.reload_models import MAKERS
+from surgery.test_trace import MODELS
+
+# Every exact family the tests convert: exact_models', the traced ones and the plans with input fixes.
+CASES = {**{name: (lambda n=name: build(n)) for name in FAMILIES},
+         **{f"traced-{name}": (lambda m=make: perturb(m()).eval()) for name, (make, _) in MODELS.items()},
+         **{name: (lambda m=make: perturb(m()).eval()) for name, make in MAKERS.items()}}
+EXTRA_INPUTS = {f"traced-{name}": inputs for name, (_, inputs) in MODELS.items()}  # other shapes than the samples
+
+# Every floating tensor of a model's output, by path (defined once: the child below runs it too).
+FLAT = '''
+def flat(x, name, out):
+    if isinstance(x, torch.Tensor):
+        if x.is_floating_point():
+            out[name] = x.detach().double()
+    elif isinstance(x, dict):   # a ModelOutput too
+        for k, v in x.items():
+            flat(v, f"{name}.{k}" if name else k, out)
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            flat(v, f"{name}.{i}", out)
+'''
+exec(FLAT)
+
+# Runs where normswap cannot be imported: poisoned in sys.modules, refused by a meta-path finder, the
+# repository off the path and the working directory elsewhere. Loads each folder with the Auto class its
+# auto_map offers for its architecture and writes every floating output on the given inputs.
+CHILD = r'''
+import importlib.abc, json, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "normswap" or name.startswith("normswap."):
+            raise ImportError("normswap is blocked here")
+sys.meta_path.insert(0, Blocker())
+sys.modules["normswap"] = None
+import torch, transformers
+jobs, results = json.load(open(sys.argv[1])), {}
+''' + FLAT + r'''
+
+for folder, inputs_file in jobs.items():
+    config = json.load(open(folder + "/config.json"))
+    arch = config["architectures"][0]
+    auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch))[0]
+    try:
+        model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+    except Exception as e:
+        results[folder] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        continue
+    outputs = []
+    with torch.no_grad():
+        for batch in torch.load(inputs_file):
+            out = {}
+            flat(model(**batch), "", out)
+            outputs.append(out)
+    torch.save(outputs, folder + "-plain.pt")
+    results[folder] = {"cls": type(model).__name__, "auto": auto}
+json.dump(results, open("results.json", "w"))
+'''
+
+
+def plain_transformers(tmp_path: Path, jobs: dict[str, str]) -> dict:
+    """Load each folder in a fresh interpreter that cannot import normswap; {folder: result}."""
+    (tmp_path / "child.py").write_text(CHILD)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "child.py", "jobs.json"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Every case converted exactly and saved; the original's main outputs on its inputs, taken before."""
+    root = tmp_path_factory.mktemp("shipped")
+    out = {}
+    for name, make in CASES.items():
+        torch.manual_seed(0)
+        model = make()
+        inputs = sample_inputs(model) + ([EXTRA_INPUTS[name]] if name in EXTRA_INPUTS else [])
+        with torch.no_grad():
+            want = [main_output(model(**batch))[1].double() for batch in inputs]
+        report = normswap.convert(model, method="exact")
+        assert report.method == "exact" and report.verification["enforced"], name
+        normswap.save_pretrained(model, root / name)
+        torch.save(inputs, root / f"{name}-inputs.pt")
+        out[name] = (root / name, inputs, want)
+    return root, out
+
+
+def test_shipped_file_is_the_portable_module_verbatim(converted):
+    root, cases = converted
+    source = portable.__file__
+    text = Path(source).read_text()
+    for folder, _, _ in cases.values():
+        shipped = (folder / hub.MODELING_FILE).read_text()
+        assert shipped.startswith(text) and shipped[len(text):].startswith(hub.GENERATED), folder.name
+    # It imports the standard library, torch and transformers only: never normswap.
+    imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [n])}
+    assert imported <= {"__future__", "hashlib", "json", "math", "os", "struct", "pathlib", "torch", "transformers"}
+    # And normswap rebuilds folders with it: the hooks the conversion installs are its functions.
+    from normswap.surgery import centring
+    assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix
+
+
+def test_every_exact_family_loads_in_plain_transformers_as_the_original(converted):
+    root, cases = converted
+    got = plain_transformers(root, {str(folder): str(root / f"{name}-inputs.pt")
+                                    for name, (folder, _, _) in cases.items()})
+    failures = []
+    for name, (folder, inputs, want) in cases.items():
+        res = got[str(folder)]
+        if "error" in res:
+            failures.append(f"{name}: {res['error']}")
+            continue
+        assert res["cls"].startswith("Normswap"), name
+        plain = torch.load(f"{folder}-plain.pt")
+        ours = normswap.from_pretrained(folder)
+        for batch, ref, outputs in zip(inputs, want, plain):
+            # the main output (logits, else last_hidden_state, else the first) is the original's ...
+            key = next((k for k in ("logits", "last_hidden_state") if k in outputs), next(iter(outputs)))
+            if rel(outputs[key], ref) > 1e-5:
+                failures.append(f"{name}: {key} off by {rel(outputs[key], ref):.3g} against the original")
+            # ... and every floating output is what normswap's own rebuild gives (one implementation)
+            with torch.no_grad():
+                mine = {}
+                flat(ours(**batch), "", mine)  # noqa: F821 (defined by exec)
+            assert mine.keys() == outputs.keys(), name
+            failures += [f"{name}: {k} off by {rel(outputs[k], mine[k]):.3g} against normswap's load"
+                         for k in mine if rel(outputs[k], mine[k]) > 1e-6]
+    assert not failures, failures
+
+
+def test_a_hand_edited_section_or_other_weights_are_refused_in_plain_transformers(converted, tmp_path):
+    root, cases = converted
+    source = cases["traced-whisper"][0]
+    edited = Path(shutil.copytree(source, tmp_path / "edited"))
+    config = json.loads((edited / "config.json").read_text())
+    norm = next(iter(config["normswap"]["norms"]))
+    config["normswap"]["norms"][norm]["eps"] *= 10
+    (edited / "config.json").write_text(json.dumps(config))
+    swapped = Path(shutil.copytree(source, tmp_path / "swapped"))
+    state = safetensors.torch.load_file(swapped / portable.WEIGHTS)
+    state[f"{norm}.weight"] = state[f"{norm}.weight"].half()   # same names and shapes: another file
+    safetensors.torch.save_file(state, swapped / portable.WEIGHTS, metadata={"format": "pt"})
+    got = plain_transformers(tmp_path, {str(edited): "-", str(swapped): "-"})
+    assert "edited after normswap saved it" in got[str(edited)]["error"]
+    assert "are not the ones saved with this config" in got[str(swapped)]["error"]
+    with pytest.raises(normswap.NormswapError, match="edited after normswap saved it"):
+        normswap.from_pretrained(edited)
+
+
+def test_a_folder_saved_before_input_fixes_shipped_is_named(converted, tmp_path, capsys):
+    """Folders written by earlier releases carry a modeling_normswap.py without input fixes: normswap loads
+    them right, and says that plain transformers would not."""
+    root, cases = converted
+    folder = Path(shutil.copytree(cases["m2m100"][0], tmp_path / "old"))
+    normswap.from_pretrained(folder)
+    assert "predates input fixes" not in capsys.readouterr().err
+    shipped = (folder / hub.MODELING_FILE).read_text()
+    (folder / hub.MODELING_FILE).write_text(shipped.replace("def add_input_fix", "def gone"))
+    normswap.from_pretrained(folder)
+    assert "predates input fixes" in capsys.readouterr().err
