@@ -17,74 +17,32 @@ save to `out` abandons that save (`out` is replaced atomically, so it stays as i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from normswap.atomic import check_replaceable
 from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.healing import fsdp as heal_fsdp
+from normswap.healing import lora as heal_lora
+from normswap.healing import tracking
+from normswap.healing.objective import window_losses
+from normswap.healing.options import HealOptions
+from normswap.healing.params import DEFAULT_LR, norm_parameters, optimizer_groups, to_train
+from normswap.healing.report import HealReport
 from normswap.models import save
-from normswap.models.introspect import is_causal_lm, norm_kind
+from normswap.models.introspect import is_causal_lm
 from normswap.models.source import read_config
 from normswap.textdata import max_positions, token_stream, wrap_special
-
-DEFAULT_LR = {"norms": 1e-2, "all": 3e-4}
-
-
-@dataclass
-class HealReport:
-    steps: int                 # requested
-    steps_done: int
-    train: str
-    objective: str
-    trainable: int             # number of trained parameter values
-    lr: float
-    seq_len: int
-    batch_size: int
-    seed: int
-    loss_first: float | None   # loss of the first step
-    loss_last: float | None    # mean loss of the last 10 steps
-    seconds: float
-    parallel: str = "none"     # none, ddp or fsdp
-    processes: int = 1
-    fsdp_units: int = 0        # FSDP-sharded modules (transformer blocks + the root)
-    interrupted: bool = False
-    save_interrupted: bool = False   # Ctrl-C came during the final save: the work went to OUT.partial
-    saved_to: str | None = None
-    losses: list[float] = field(default_factory=list, repr=False)
-
-    def to_dict(self, losses: bool = False) -> dict:
-        d = asdict(self)
-        return d if losses else {k: v for k, v in d.items() if k != "losses"}
-
-    def __str__(self) -> str:
-        s = (f"healed {self.steps_done}/{self.steps} steps ({self.train}, {self.trainable:,} params, "
-             f"{self.objective}) in {self.seconds:.1f}s: loss {self.loss_first:.4g} -> {self.loss_last:.4g}")
-        s += f" (FSDP over {self.processes} processes)" if self.parallel == "fsdp" else ""
-        return s + (f"; saved to {self.saved_to}" if self.saved_to else "")
-
-
-def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters of norm modules, plus the biases a conversion method added (they hold folded norm biases)."""
-    out = {}
-    for mname, m in model.named_modules():
-        if norm_kind(m) is not None:
-            for pname, p in m.named_parameters(recurse=False):
-                out[f"{mname}.{pname}" if mname else pname] = p
-    for mname in (getattr(model.config, "normswap", None) or {}).get("added_biases", []):
-        out[f"{mname}.bias"] = model.get_submodule(mname).bias
-    return out
-
 
 def _schedule(steps: int) -> Callable[[int], float]:
     """Linear warm-up over 10% of the steps, then cosine decay to zero."""
@@ -92,27 +50,9 @@ def _schedule(steps: int) -> Callable[[int], float]:
     return lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
 
 
-def _loss(student, teacher, x: torch.Tensor, objective: str) -> torch.Tensor:
-    if objective == "lm":
-        return student(input_ids=x, labels=x).loss
-    with torch.no_grad():
-        t = teacher(input_ids=x, output_hidden_states=True)
-    s = student(input_ids=x, output_hidden_states=True)
-    if getattr(s, "logits", None) is not None:
-        if s.logits.shape != t.logits.shape:
-            raise NormswapError(f"teacher and student outputs differ: {tuple(t.logits.shape)} vs "
-                                f"{tuple(s.logits.shape)} (different vocabularies?)")
-        ls, lt = s.logits.float().log_softmax(-1), t.logits.float().log_softmax(-1)
-        return F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1).mean()
-    if len(s.hidden_states) != len(t.hidden_states) or s.hidden_states[-1].shape != t.hidden_states[-1].shape:
-        raise NormswapError("teacher and student hidden states differ in shape: not the same architecture")
-    return sum(F.mse_loss(a.float(), b.float()) for a, b in zip(s.hidden_states, t.hidden_states)) / len(
-        s.hidden_states)
-
-
 def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite):
     if train not in DEFAULT_LR:
-        raise NormswapError(f"unknown train mode '{train}': choose norms or all")
+        raise NormswapError(f"unknown train mode '{train}': choose norms, all or lora")
     if objective not in ("kd", "lm"):
         raise NormswapError(f"unknown objective '{objective}': choose kd or lm")
     if objective == "kd" and teacher is None:
@@ -132,8 +72,9 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
         safetensors.check_space(out, safetensors.total_bytes(safetensors.saved_specs(student)))
 
 
-def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
+def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict) -> str | None:
     student.config.normswap_heal = info
+    files = {tracking.LOG_FILE: json.dumps(log, indent=1)}
     if info["interrupted"]:
         partial = Path(f"{out}.partial")
         if partial.exists():  # replace an earlier partial checkpoint, never anything else
@@ -142,28 +83,36 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict) -> str | None:
                     return None
             except (OSError, ValueError):
                 return None
-        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True))
-    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite))
+        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True, files=files))
+    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite, files=files))
 
 
-def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None, steps: int = 200,
-         lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
-         batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
+def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None,
+         options: HealOptions | None = None, *, out: str | Path | None = None, overwrite: bool = False,
          progress: bool = True, callback: Callable[[int, float], None] | None = None,
-         cpu: bool | None = None, fsdp: bool | None = None) -> HealReport:
+         cpu: bool | None = None, fsdp: bool | None = None, **fields) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
-    train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
-    weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
-    exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
-    step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
+    options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
+    its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
+    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
+    through peft, merged into the weights at the end, plus the norm gains; lr default 2e-3). AdamW, no
+    weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
+    out: save the result there (atomically) at the end, with heal_log.json. callback(step, loss) runs after
+    every step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
     the module docstring. fsdp: shard the student over the processes (None: when the launch asked for FSDP).
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    if options is not None and not isinstance(options, HealOptions):
+        raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
+    o = dataclasses.replace(options or HealOptions(), **fields)
+    steps, lr, train, objective, seq_len, batch_size, seed = (o.steps, o.lr, o.train, o.objective, o.seq_len,
+                                                              o.batch_size, o.seed)
     _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite)
+    tracking.check(o, out)
     lr = float(lr if lr is not None else DEFAULT_LR[train])
     ids = token_stream(tokenizer, texts)
     causal = is_causal_lm(student)
@@ -173,10 +122,13 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     seq_len = min(int(seq_len), limit or seq_len, len(ids))
     if seq_len < 2:
         raise NormswapError("the training text has fewer than 2 tokens")
+    ids, held = tracking.hold_out(ids, o, tokenizer, seq_len)  # held-out windows leave the training tokens
+    held = held if held is None or causal else wrap_special(tokenizer, held)
 
     # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
     # distribution at all.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu,
+                              **tracking.accelerator_kwargs(o))
     sharded = heal_fsdp.requested(accelerator, fsdp)
     ranks, rank = accelerator.num_processes, accelerator.process_index
     if batch_size % ranks:
@@ -189,8 +141,11 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     local = batch_size // ranks
     dtype = next(student.parameters()).dtype
     student.float()  # train in fp32 whatever the stored dtype; cast back at the end
-    grad_before = {n: p.requires_grad for n, p in student.named_parameters()}
-    chosen = dict(student.named_parameters()) if train == "all" else norm_parameters(student)
+    grad_before = {p: p.requires_grad for p in student.parameters()}  # by identity: LoRA renames layers
+    parameters = sum(p.numel() for p in student.parameters())
+    norms = norm_parameters(student)  # before LoRA wraps the layers holding added biases
+    adapters = heal_lora.Adapters(student, o.lora) if train == "lora" else None
+    chosen, lrs = to_train(student, train, norms, adapters, o.lora.norms, lr)
     if not chosen:
         raise NormswapError("the model has no norm parameters to train: use `train='all'`")
     for p in student.parameters():
@@ -201,17 +156,24 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     student.eval()  # no dropout: match the teacher's deterministic function
     # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
     model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(optimizer_groups(model, lrs), lr=lr, weight_decay=0.0)
     if not sharded:
         model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
     # global batch split over processes would decay the learning rate N times too fast.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
+    schedule = _schedule(int(steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if teacher is not None:
         teacher.eval().to(accelerator.device)
+    lora_info = None if adapters is None else {"rank": o.lora.rank, "alpha": o.lora.scale * o.lora.rank,
+                                               "targets": adapters.targets, "norms": o.lora.norms}
+    monitor = tracking.Monitor(accelerator, o, held, teacher, objective, hparams={
+        "steps": int(steps), "lr": lr, "train": train, "objective": objective, "seq_len": seq_len,
+        "batch_size": batch_size, "seed": seed, "trainable": trainable, "processes": ranks,
+        **({"lora_rank": o.lora.rank, "lora_alpha": lora_info["alpha"]} if lora_info else {})})
 
     losses: list[float] = []
-    stop = {"requested": False, "updating": False, "torn": False}
+    stop = {"requested": False, "updating": False, "torn": False, "ended": False}
 
     def on_sigint(signum, frame):
         if stop["requested"]:  # second Ctrl-C: stop at once
@@ -223,12 +185,13 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     bar = tqdm(total=int(steps), desc="heal", disable=not progress or not accelerator.is_local_main_process)
     start = time.perf_counter()
     try:
+        monitor.start(model)
         for _ in range(int(steps)):
             starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
             mine = starts[rank * local:(rank + 1) * local]
             x = torch.stack([ids[s:s + seq_len] for s in mine.tolist()])
             x = (x if causal else wrap_special(tokenizer, x)).to(accelerator.device)
-            loss = _loss(model, teacher, x, objective)
+            loss = window_losses(model, teacher, x, objective).mean()
             accelerator.backward(loss)
             stop["updating"] = True
             optimizer.step()
@@ -236,34 +199,49 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             optimizer.zero_grad(set_to_none=True)
             stop["updating"] = False
             losses.append(accelerator.reduce(loss.detach(), "mean").item())  # the global batch's loss
+            early = monitor.step(model, len(losses), losses[-1], lr * schedule(len(losses) - 1))  # same everywhere
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if callback is not None:
                 callback(len(losses), losses[-1])
             if stop["requested"]:
                 accelerator.set_trigger()
-            if accelerator.check_trigger():  # any process interrupted: all stop at the same step
+            if accelerator.check_trigger() or early:  # any process interrupted: all stop at the same step
                 break
+        stop["ended"] = True
     except KeyboardInterrupt:
-        stop["requested"], stop["torn"] = True, stop["updating"]
+        stop["requested"], stop["torn"], stop["ended"] = True, stop["updating"], True
     finally:
         bar.close()
-        if main_thread:
-            signal.signal(signal.SIGINT, old_handler)
-        student = student if sharded else accelerator.unwrap_model(model)
-        for n, p in student.named_parameters():
-            p.requires_grad_(grad_before[n])
-        student.to(dtype)
-    # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before heal). A
-    # collective, so Ctrl-C is held off: one process leaving it early would hang the others.
-    if sharded and not stop["torn"]:
-        with _sigint_held(main_thread):
-            heal_fsdp.gather_into(model, student)
+        try:
+            if stop["ended"] and not stop["torn"]:  # collectives: every process gets here at the same step
+                monitor.finish(model, len(losses))  # last evaluation; early_stop: the best weights back
+                # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before
+                # heal). Ctrl-C is held off: one process leaving early would hang the others.
+                if sharded:
+                    with _sigint_held(main_thread):
+                        heal_fsdp.gather_into(model, student)
+        finally:
+            monitor.end()
+            if main_thread:
+                signal.signal(signal.SIGINT, old_handler)
+            student = student if sharded else accelerator.unwrap_model(model)
+            if adapters is not None:
+                adapters.merge()  # in fp32, before the cast back; the layers are the model's own again
+            for p, before in grad_before.items():
+                p.requires_grad_(before)
+            student.to(dtype)
 
     report = HealReport(int(steps), len(losses), train, objective, trainable, lr, seq_len, batch_size, seed,
                         losses[0] if losses else None, sum(losses[-10:]) / len(losses[-10:]) if losses else None,
                         time.perf_counter() - start, "fsdp" if sharded else "ddp" if ranks > 1 else "none", ranks,
-                        units, interrupted=len(losses) < int(steps), losses=losses)
+                        units, interrupted=len(losses) < int(steps) and not monitor.stopped_early,
+                        parameters=parameters, lora=lora_info, eval_metric=monitor.metric,
+                        eval_first=monitor.evals[0][1] if monitor.evals else None,
+                        eval_best=monitor.best[1] if monitor.best else None,
+                        best_step=monitor.best[0] if monitor.best else None, restored_step=monitor.restored_step,
+                        stopped_early=monitor.stopped_early, losses=losses, evals=monitor.evals,
+                        history=monitor.history)
     if out is not None and not stop["torn"] and losses:
         if accelerator.is_main_process:
             _save_keeping_work(student, tokenizer, out, overwrite, report, main_thread)
@@ -280,12 +258,12 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
                                                 "batch_size", "seed", "interrupted")}
     if not report.interrupted:
         try:
-            report.saved_to = _save(student, tokenizer, out, overwrite, info())
+            report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log())
             return
         except KeyboardInterrupt:  # the atomic save leaves `out` as it was; keep the work in .partial
             report.interrupted, report.save_interrupted = True, True
     with _sigint_held(main_thread):
-        report.saved_to = _save(student, tokenizer, out, overwrite, info())
+        report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log())
 
 
 @contextlib.contextmanager
