@@ -26,19 +26,6 @@ FAST = dict(seq_len=32, batch_size=4, progress=False)
 TRAIN, HELD = [text(3000, seed=0)], [text(600, seed=9)]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    teacher = gpt2(len(tok))
-    student = copy.deepcopy(teacher)
-    normswap.convert(student, method="naive")
-    return teacher, student
-
-
 def _kl(model, teacher, tok):
     return evaluate(model, tok, HELD, reference=teacher, seq_len=32).kl
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from accelerate.tracking import GeneralTracker
 from click.testing import CliRunner
-from helpers.heal_models import gpt2, save_pair, text, tokenizer
+from helpers.heal_models import save_pair, text
 
 import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
+from normswap.healing import plot_log
 from normswap.healing.options import HealOptions
 from normswap.healing.tracking import hold_out
 from normswap.models.rebuild import from_pretrained
@@ -23,19 +24,6 @@ from normswap.textdata import token_stream
 
 FAST = dict(seq_len=32, batch_size=4, progress=False)
 TRAIN = [text(3000, seed=0)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    teacher = gpt2(len(tok))
-    student = copy.deepcopy(teacher)
-    normswap.convert(student, method="naive")
-    return teacher, student
 
 
 def test_held_out_windows_are_spread_and_never_trained_on():
@@ -221,4 +209,4 @@ def test_plot_errors(saved, tmp_path, monkeypatch):
                                             "'normswap[heal]')\n", r.output
     assert not (tmp_path / "h").exists()
     with pytest.raises(NormswapError, match="needs matplotlib"):
-        normswap.healing.plot_log({"log_history": []}, tmp_path / "p.png")
+        plot_log({"log_history": []}, tmp_path / "p.png")
