@@ -144,33 +144,38 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     grad_before = {p: p.requires_grad for p in student.parameters()}  # by identity: LoRA renames layers
     parameters = sum(p.numel() for p in student.parameters())
     norms = norm_parameters(student)  # before LoRA wraps the layers holding added biases
-    adapters = heal_lora.Adapters(student, o.lora) if train == "lora" else None
-    chosen, lrs = to_train(student, train, norms, adapters, o.lora.norms, lr)
-    if not chosen:
-        raise NormswapError("the model has no norm parameters to train: use `train='all'`")
-    for p in student.parameters():
-        p.requires_grad_(False)
-    for p in chosen.values():
-        p.requires_grad_(True)
-    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    student.eval()  # no dropout: match the teacher's deterministic function
-    # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
-    model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
-    optimizer = torch.optim.AdamW(optimizer_groups(model, lrs), lr=lr, weight_decay=0.0)
-    if not sharded:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
-    # global batch split over processes would decay the learning rate N times too fast.
-    schedule = _schedule(int(steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    if teacher is not None:
-        teacher.eval().to(accelerator.device)
-    lora_info = None if adapters is None else {"rank": o.lora.rank, "alpha": o.lora.scale * o.lora.rank,
-                                               "targets": adapters.targets, "norms": o.lora.norms}
-    monitor = tracking.Monitor(accelerator, o, held, teacher, objective, hparams={
-        "steps": int(steps), "lr": lr, "train": train, "objective": objective, "seq_len": seq_len,
-        "batch_size": batch_size, "seed": seed, "trainable": trainable, "processes": ranks,
-        **({"lora_rank": o.lora.rank, "lora_alpha": lora_info["alpha"]} if lora_info else {})})
+    adapters = None
+    try:  # a failure before training must not leave adapters, flags or fp32 behind
+        adapters = heal_lora.Adapters(student, o.lora) if train == "lora" else None
+        chosen, lrs = to_train(student, train, norms, adapters, o.lora.norms, lr)
+        if not chosen:
+            raise NormswapError("the model has no norm parameters to train: use `train='all'`")
+        for p in student.parameters():
+            p.requires_grad_(False)
+        for p in chosen.values():
+            p.requires_grad_(True)
+        trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+        student.eval()  # no dropout: match the teacher's deterministic function
+        # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
+        model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
+        optimizer = torch.optim.AdamW(optimizer_groups(model, lrs), lr=lr, weight_decay=0.0)
+        if not sharded:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
+        # global batch split over processes would decay the learning rate N times too fast.
+        schedule = _schedule(int(steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        if teacher is not None:
+            teacher.eval().to(accelerator.device)
+        lora_info = None if adapters is None else {"rank": o.lora.rank, "alpha": o.lora.scale * o.lora.rank,
+                                                   "targets": adapters.targets, "norms": o.lora.norms}
+        monitor = tracking.Monitor(accelerator, o, held, teacher, objective, hparams={
+            "steps": int(steps), "lr": lr, "train": train, "objective": objective, "seq_len": seq_len,
+            "batch_size": batch_size, "seed": seed, "trainable": trainable, "processes": ranks,
+            **({"lora_rank": o.lora.rank, "lora_alpha": lora_info["alpha"]} if lora_info else {})})
+    except BaseException:
+        _restore(student, adapters, grad_before, dtype)
+        raise
 
     losses: list[float] = []
     stop = {"requested": False, "updating": False, "torn": False, "ended": False}
@@ -226,11 +231,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             if main_thread:
                 signal.signal(signal.SIGINT, old_handler)
             student = student if sharded else accelerator.unwrap_model(model)
-            if adapters is not None:
-                adapters.merge()  # in fp32, before the cast back; the layers are the model's own again
-            for p, before in grad_before.items():
-                p.requires_grad_(before)
-            student.to(dtype)
+            _restore(student, adapters, grad_before, dtype)
 
     report = HealReport(int(steps), len(losses), train, objective, trainable, lr, seq_len, batch_size, seed,
                         losses[0] if losses else None, sum(losses[-10:]) / len(losses[-10:]) if losses else None,
@@ -247,6 +248,16 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             _save_keeping_work(student, tokenizer, out, overwrite, report, main_thread)
         accelerator.wait_for_everyone()
     return report
+
+
+def _restore(student: nn.Module, adapters, grad_before: dict, dtype: torch.dtype) -> None:
+    """The student as heal found it but for the trained values: adapters merged (in fp32, before the cast
+    back; the layers are the model's own again), requires_grad flags and dtype as they were."""
+    if adapters is not None:
+        adapters.merge()
+    for p, before in grad_before.items():
+        p.requires_grad_(before)
+    student.to(dtype)
 
 
 def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealReport, main_thread: bool) -> None:

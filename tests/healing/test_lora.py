@@ -168,3 +168,25 @@ def test_without_peft_lora_is_a_one_line_error(saved, tmp_path, monkeypatch):
     assert r.exit_code == 1 and r.stderr == "error: --train lora needs peft: pip install 'normswap[heal]' " \
                                             "(or pip install peft)\n", r.output
     assert not (tmp_path / "h").exists()
+
+
+def test_a_failure_before_training_leaves_the_student_as_it_was(pair, tok):
+    """Adapters injected, flags changed, weights in fp32 for training: an error (here a tracker failing to
+    start) must undo all of it."""
+    from accelerate.tracking import GeneralTracker
+
+    class Broken(GeneralTracker):
+        name, requires_logging_directory, tracker = "broken", False, None
+
+        def store_init_configuration(self, values):
+            raise RuntimeError("tracker server unreachable")
+
+    teacher, student = pair
+    s = copy.deepcopy(student).half()
+    s.transformer.wte.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in s.state_dict().items()}
+    with pytest.raises(RuntimeError, match="unreachable"):
+        normswap.heal(s, teacher, TRAIN, tokenizer=tok, steps=3, train="lora", report_to=[Broken()], **FAST)
+    assert s.state_dict().keys() == before.keys() and all(torch.equal(v, before[k]) for k, v in s.state_dict().items())
+    assert {p.dtype for p in s.parameters()} == {torch.float16}
+    assert [n for n, p in s.named_parameters() if not p.requires_grad] == ["transformer.wte.weight"]
