@@ -16,11 +16,11 @@ FLAGS = {
     "train='all'": "--train all", "objective='lm'": "--objective lm", "texts": "--data FILE", "data": "--data",
     "finetune_steps": "--finetune-steps", "onnx": "--onnx", "src": "SRC", "out": "OUT", "teacher": "--teacher",
     "with_past=True": "--with-past", "device": "--device", "reference": "--reference ORIG",
-    "train='lora'": "--train lora", "train='norms'": "--train norms", "lora.rank": "--lora-rank",
+    "train='lora'": "--train lora", "lora.rank": "--lora-rank",
     "lora.alpha": "--lora-alpha", "lora.targets": "--lora-targets", "eval_every": "--eval-every",
     "eval_fraction": "--eval-fraction", "eval_windows": "--eval-windows", "eval_texts": "--eval-data",
     "early_stop=True": "--early-stop", "patience": "--patience", "report_to": "--report-to",
-    "logging_dir": "--logging-dir", "plot": "--plot PNG",
+    "logging_dir": "--logging-dir",
 }
 _NAMED = re.compile(r"`([^`]+)`")
 

@@ -17,7 +17,8 @@ def check_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise NormswapError("`plot` needs matplotlib: pip install matplotlib (or 'normswap[heal]')") from None
+        raise NormswapError("drawing the curves needs matplotlib: pip install matplotlib (or 'normswap[heal]')") \
+            from None
 
 
 def check_target(png: str | Path, overwrite: bool | str, out: str | Path | None = None) -> Path:
@@ -25,11 +26,11 @@ def check_target(png: str | Path, overwrite: bool | str, out: str | Path | None 
     folder replaced whole when the run ends)."""
     png = Path(png)
     if png.suffix.lower() != ".png":
-        raise NormswapError(f"`plot` {png}: the file name must end in .png")
+        raise NormswapError(f"{png}: the plot's file name must end in .png")
     if png.is_dir() or (png.exists() and not overwrite):
-        raise NormswapError(f"`plot` {png} exists: pass `overwrite=True` to replace it")
+        raise NormswapError(f"{png} exists: pass `overwrite=True` to replace it")
     if out is not None and Path(out).resolve() in png.resolve().parents:
-        raise NormswapError(f"`plot` {png} is inside `out` {out}, which is replaced whole when the run ends")
+        raise NormswapError(f"{png} is inside `out` {out}, which is replaced whole when the run ends")
     return png
 
 

@@ -187,7 +187,7 @@ def test_cli_heal_plots_and_plot_redraws_from_the_folder(saved, tmp_path):
     (["--logging-dir", "logs"], 1, "--logging-dir is used only with --report-to"),
     (["--eval-every", 0], 2, "Invalid value for '--eval-every'"),
     (["--eval-fraction", 1], 2, "Invalid value for '--eval-fraction'"),
-    (["--plot", "curves.jpg"], 1, "the file name must end in .png"),
+    (["--plot", "curves.jpg"], 1, "the plot's file name must end in .png"),
 ])
 def test_cli_bad_values_are_one_line_errors(saved, tmp_path, monkeypatch, extra, code, needle):
     if "wandb" in extra:
@@ -205,8 +205,8 @@ def test_plot_errors(saved, tmp_path, monkeypatch):
     assert r.exit_code == 1 and "has no heal_log.json" in r.stderr
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     r = _heal(saved, tmp_path / "h", "--plot", tmp_path / "p.png")
-    assert r.exit_code == 1 and r.stderr == "error: --plot PNG needs matplotlib: pip install matplotlib (or " \
-                                            "'normswap[heal]')\n", r.output
+    assert r.exit_code == 1 and r.stderr == "error: drawing the curves needs matplotlib: pip install matplotlib " \
+                                            "(or 'normswap[heal]')\n", r.output
     assert not (tmp_path / "h").exists()
     with pytest.raises(NormswapError, match="needs matplotlib"):
         plot_log({"log_history": []}, tmp_path / "p.png")
