@@ -61,7 +61,7 @@ def _load_with(src: str, other: str | None, what: str, load: LoadOptions, device
 @click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Default: 1e-2 (norms), 3e-4 (all), 2e-3 (lora adapters; norm gains 1e-2).")
+              help="Default: 1e-2 (norms), 3e-4 (all), 5e-3 (lora adapters; norm gains 1e-2).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--fsdp", is_flag=True, default=None,
               help="Shard the model over the processes (FSDP2); implied by an FSDP accelerate config.")

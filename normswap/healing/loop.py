@@ -96,7 +96,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
     its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
     train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
-    through peft, merged into the weights at the end, plus the norm gains; lr default 2e-3). AdamW, no
+    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
     out: save the result there (atomically) at the end, with heal_log.json. callback(step, loss) runs after
     every step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see

@@ -38,7 +38,7 @@ class LoraOptions:
     None: every nn.Linear / transformers Conv1D but the output head. norms: also train the norm gains (and
     the biases a conversion added), as `train="norms"` does.
     """
-    rank: int = 8
+    rank: int = 4
     alpha: float | None = None
     targets: tuple[str, ...] | None = None
     norms: bool = True
@@ -60,7 +60,7 @@ class HealOptions:
     """What `heal` trains and how. Every field is also a keyword of `heal` (`heal(..., steps=100)`).
 
     train: "norms" (norm gains and the biases a conversion added), "all", or "lora" (adapters, see `lora`).
-    lr: default 1e-2 (norms), 3e-4 (all), 2e-3 (lora; the norm gains at 1e-2). AdamW, no weight decay, 10% of
+    lr: default 1e-2 (norms), 3e-4 (all), 5e-3 (lora; the norm gains at 1e-2). AdamW, no weight decay, 10% of
     the steps warm-up then cosine to zero.
 
     Held-out evaluation: every `eval_every` steps (and at step 0 and the last step) the objective's loss is

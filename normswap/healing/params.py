@@ -6,7 +6,7 @@ from torch import nn
 
 from normswap.models.introspect import norm_kind
 
-DEFAULT_LR = {"norms": 1e-2, "all": 3e-4, "lora": 2e-3}
+DEFAULT_LR = {"norms": 1e-2, "all": 3e-4, "lora": 5e-3}
 
 
 def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
