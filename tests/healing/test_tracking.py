@@ -147,6 +147,10 @@ def test_early_stop_restores_the_best_step(pair, tok, tmp_path, early_stop):
     assert [[r["step"], r["eval_kl"]] for r in log["log_history"] if "eval_kl" in r] == [list(e) for e in
                                                                                        report.evals]
     assert log["best_step"] == 10 and log["restored_step"] == report.restored_step
+    # a healed folder (heal_log.json included) is normswap's own: --overwrite replaces it
+    again = normswap.heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=1, out=tmp_path / "h",
+                          overwrite=True, **FAST)
+    assert again.saved_to == str(tmp_path / "h") and from_pretrained(tmp_path / "h") is not None
 
 
 # --- CLI: plot, bad values ----------------------------------------------------------------------------
