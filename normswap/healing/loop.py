@@ -1,7 +1,9 @@
 """`heal`: a short distillation fine-tune that brings a converted model back to its original.
 
-Loss: KL(teacher || student) on token distributions for models with logits, MSE on every hidden state
-for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
+Loss (`objective`): KL(teacher || student) on token distributions for models with logits, MSE on every hidden
+state for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). What trains:
+`params` (norm gains, everything, or LoRA adapters from `lora`, merged at the end); held-out evaluation,
+early stopping, trackers and the log saved as heal_log.json: `tracking`. The loop runs
 under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over processes (GPUs, or
 CPU processes over gloo): `batch_size` is the global batch, split evenly, so the loss curve does not depend
 on the number of processes. With FSDP requested (an FSDP launch config, or fsdp=True) the student's parameters
