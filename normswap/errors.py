@@ -18,6 +18,11 @@ FLAGS = {
     "finetune_steps": "--finetune-steps", "onnx": "--onnx", "src": "SRC", "out": "OUT", "teacher": "--teacher",
     "with_past=True": "--with-past", "device": "--device", "reference": "--reference ORIG", "lr": "--lr",
     "max_shard_size": "--max-shard-size", "dtype": "--dtype",
+    "train='lora'": "--train lora", "lora.rank": "--lora-rank",
+    "lora.alpha": "--lora-alpha", "lora.targets": "--lora-targets", "eval_every": "--eval-every",
+    "eval_fraction": "--eval-fraction", "eval_windows": "--eval-windows", "eval_texts": "--eval-data",
+    "early_stop=True": "--early-stop", "patience": "--patience", "report_to": "--report-to",
+    "logging_dir": "--logging-dir",
 }
 _NAMED = re.compile(r"`([^`]+)`")
 

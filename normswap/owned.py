@@ -11,13 +11,14 @@ import os
 import re
 from pathlib import Path
 
-# What save_pretrained and export_folder write (config, weights, generation config, tokenizer files, graph).
+# What save_pretrained and export_folder write (config, weights, generation config, tokenizer files, graph,
+# heal's log).
 FILES = frozenset({
     "config.json", "generation_config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
     "sentencepiece.bpe.model", "spm.model", "model.safetensors.index.json",
-    "model.onnx", "model.onnx.data", "genai_config.json"})
+    "model.onnx", "model.onnx.data", "genai_config.json", "heal_log.json"})
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 SECTIONS = ("normswap", "normswap_heal")   # config.json keys only normswap writes
 ONNX_MARK = "normswap.target"              # metadata key of every graph normswap exports

@@ -7,6 +7,7 @@ check that can fail runs before the slow work; OUT (and the ONNX file) appear on
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from normswap.checkpoint.stream import convert_folder, streamable
 from normswap.errors import Interrupted, NormswapError
 from normswap.export.onnx import ExportReport, export_onnx
 from normswap.export.onnx import check_replaceable as check_onnx_replaceable
-from normswap.healing.loop import HealReport, heal
+from normswap.healing.loop import heal
+from normswap.healing.report import HealReport
+from normswap.healing.tracking import LOG_FILE
 from normswap.models.load import LoadOptions, load_model
 from normswap.models.save import save_pretrained
 from normswap.models.source import check_code, read_config, resolve_source
@@ -169,7 +172,9 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     if o.onnx:
         result.exported = export_onnx(model, o.onnx, overwrite=o.overwrite)
     try:
-        save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size)
+        log = {LOG_FILE: json.dumps(result.healed.log(), indent=1)} if result.healed else None
+        save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size,
+                        files=log)
     except KeyboardInterrupt as e:
         raise Interrupted.after(e, *([str(o.onnx)] if o.onnx else [])) from None
     result.output = out

@@ -1,6 +1,7 @@
 """`normswap heal` and `normswap eval`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -9,9 +10,11 @@ import click
 
 from normswap.atomic import check_output, check_replaceable
 from normswap.cli.options import Shared, shared
+from normswap.cli.training import Training, training_options
 from normswap.errors import NormswapError
 from normswap.evaluation import evaluate, text_only
-from normswap.healing.loop import check_lr, partial_path
+from normswap.healing import plot
+from normswap.healing.options import check_lr, partial_path
 from normswap.healing.loop import heal as run_heal
 from normswap.models.load import LoadOptions, load_model
 from normswap.pipeline import resolve_device
@@ -52,19 +55,22 @@ def _load_with(src: str, other: str | None, what: str, load: LoadOptions, device
 @click.option("--data", multiple=True, type=click.Path(), help="Text file or folder of .txt (repeatable).")
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
-@click.option("--train", type=click.Choice(["norms", "all"]), default="norms", show_default=True,
-              help="norms: only norm gains/biases; all: every parameter.")
+@click.option("--train", type=click.Choice(["norms", "all", "lora"]), default="norms", show_default=True,
+              help="norms: only norm gains/biases; all: every parameter; lora: LoRA adapters (peft) merged "
+                   "into the weights at the end, and the norm gains.")
 @click.option("--objective", type=click.Choice(["kd", "lm"]), default="kd", show_default=True,
               help="kd: distil from --teacher; lm: next-token loss on the data.")
 @click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Default: 1e-2 (norms), 3e-4 (all).")
+              help="Default: 1e-2 (norms), 3e-4 (all), 5e-3 (lora adapters; norm gains 1e-2).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--fsdp", is_flag=True, default=None,
               help="Shard the model over the processes (FSDP2); implied by an FSDP accelerate config.")
+@training_options
 @shared()
-def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_size, lr, seed, fsdp, opts: Shared):
+def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_size, lr, seed, fsdp, opts: Shared,
+         training: Training):
     """Fine-tune SRC briefly towards the original model on plain text; save to OUT.
 
     Ctrl-C stops after the current step and saves what was done to OUT.partial; OUT is untouched.
@@ -82,15 +88,21 @@ def heal(src, teacher_src, data, steps, out, train, objective, seq_len, batch_si
     if not data:
         raise NormswapError("--data FILE is required: plain text to heal on")
     texts = read_texts(data)
+    options = dataclasses.replace(training.options, steps=steps, lr=lr, train=train, objective=objective,
+                                  seq_len=seq_len, batch_size=batch_size, seed=seed)
+    if training.plot:  # before the run, not after it
+        plot.check_available()
+        plot.check_target(training.plot, opts.overwrite, out)
     student, teacher, tok = _load_with(src, teacher_src if objective == "kd" else None, "the teacher", opts.load)
-    report = run_heal(student, teacher, texts, tokenizer=tok, steps=steps, lr=lr, train=train,
-                      objective=objective, seq_len=seq_len, batch_size=batch_size, seed=seed, out=out,
+    report = run_heal(student, teacher, texts, tokenizer=tok, options=options, out=out,
                       overwrite=opts.overwrite, progress=opts.show_progress,
                       cpu=device.type == "cpu", fsdp=fsdp, partial=partial)
     from accelerate import PartialState
     if not PartialState().is_main_process:  # under `accelerate launch`: one report, from rank 0
         return
     click.echo(json.dumps(report.to_dict(losses=True)) if opts.as_json else str(report))
+    if training.plot and report.steps_done:
+        plot.plot_log(report.log(), training.plot, overwrite=opts.overwrite)
     if report.interrupted:
         where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
         when = "during the final save" if report.save_interrupted else "after"

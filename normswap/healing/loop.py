@@ -1,7 +1,9 @@
 """`heal`: a short distillation fine-tune that brings a converted model back to its original.
 
-Loss: KL(teacher || student) on token distributions for models with logits, MSE on every hidden state
-for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). The loop runs
+Loss (`objective`): KL(teacher || student) on token distributions for models with logits, MSE on every hidden
+state for encoders without a head ("kd"); or the plain causal-LM loss ("lm", no teacher needed). What trains:
+`params` (norm gains, everything, or LoRA adapters from `lora`, merged at the end); held-out evaluation,
+early stopping, trackers and the log saved as heal_log.json: `tracking`. The loop runs
 under Hugging Face Accelerate, so `accelerate launch -m normswap heal ...` spreads it over processes (GPUs, or
 CPU processes over gloo): `batch_size` is the global batch, split evenly, so the loss curve does not depend
 on the number of processes. With FSDP requested (an FSDP launch config, or fsdp=True) the student's parameters
@@ -19,88 +21,32 @@ save to `out` abandons that save (`out` is replaced atomically, so it stays as i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from normswap.atomic import check_output, check_replaceable
 from normswap.checkpoint import safetensors
 from normswap.errors import NormswapError
 from normswap.healing import fsdp as heal_fsdp
+from normswap.healing import lora as heal_lora
+from normswap.healing import tracking
+from normswap.healing.objective import window_losses
+from normswap.healing.options import HealOptions, check_lr, partial_path
+from normswap.healing.params import DEFAULT_LR, norm_parameters, optimizer_groups, to_train
+from normswap.healing.report import HealReport
 from normswap.models import save
-from normswap.models.introspect import is_causal_lm, norm_kind
+from normswap.models.introspect import is_causal_lm
 from normswap.models.source import read_config
 from normswap.textdata import max_positions, token_stream, wrap_special
-
-DEFAULT_LR = {"norms": 1e-2, "all": 3e-4}
-
-
-@dataclass
-class HealReport:
-    steps: int                 # requested
-    steps_done: int
-    train: str
-    objective: str
-    trainable: int             # number of trained parameter values
-    lr: float
-    seq_len: int
-    batch_size: int
-    seed: int
-    loss_first: float | None   # loss of the first step
-    loss_last: float | None    # mean loss of the last 10 steps
-    seconds: float
-    parallel: str = "none"     # none, ddp or fsdp
-    processes: int = 1
-    fsdp_units: int = 0        # FSDP-sharded modules (transformer blocks + the root)
-    interrupted: bool = False
-    signum: int | None = None        # the signal that interrupted the run (2: Ctrl-C, 15: SIGTERM)
-    save_interrupted: bool = False   # Ctrl-C came during the final save: the work went to OUT.partial
-    saved_to: str | None = None
-    losses: list[float] = field(default_factory=list, repr=False)
-
-    def to_dict(self, losses: bool = False) -> dict:
-        d = asdict(self)
-        return d if losses else {k: v for k, v in d.items() if k != "losses"}
-
-    def __str__(self) -> str:
-        loss = f"loss {self.loss_first:.4g} -> {self.loss_last:.4g}" if self.steps_done else "no step finished"
-        s = (f"healed {self.steps_done}/{self.steps} steps ({self.train}, {self.trainable:,} params, "
-             f"{self.objective}) in {self.seconds:.1f}s: {loss}")
-        s += f" (FSDP over {self.processes} processes)" if self.parallel == "fsdp" else ""
-        return s + (f"; saved to {self.saved_to}" if self.saved_to else "")
-
-
-def check_lr(lr) -> None:
-    """A learning rate must be a finite number > 0 (inf, nan or 0 train to NaN or not at all)."""
-    finite = isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr)
-    if lr is not None and not (finite and lr > 0):
-        raise NormswapError(f"`lr` must be a finite number > 0, not {lr}")
-
-
-def partial_path(out: str | Path) -> Path:
-    """Where an interrupted heal saves by default: `<out>.partial` beside `out` (`out/` and `out` alike)."""
-    return Path(os.path.normpath(os.path.expanduser(str(out))) + ".partial")
-
-
-def norm_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Parameters of norm modules, plus the biases a conversion method added (they hold folded norm biases)."""
-    out = {}
-    for mname, m in model.named_modules():
-        if norm_kind(m) is not None:
-            for pname, p in m.named_parameters(recurse=False):
-                out[f"{mname}.{pname}" if mname else pname] = p
-    for mname in (getattr(model.config, "normswap", None) or {}).get("added_biases", []):
-        out[f"{mname}.bias"] = model.get_submodule(mname).bias
-    return out
 
 
 def _schedule(steps: int) -> Callable[[int], float]:
@@ -109,27 +55,9 @@ def _schedule(steps: int) -> Callable[[int], float]:
     return lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
 
 
-def _loss(student, teacher, x: torch.Tensor, objective: str) -> torch.Tensor:
-    if objective == "lm":
-        return student(input_ids=x, labels=x).loss
-    with torch.no_grad():
-        t = teacher(input_ids=x, output_hidden_states=True)
-    s = student(input_ids=x, output_hidden_states=True)
-    if getattr(s, "logits", None) is not None:
-        if s.logits.shape != t.logits.shape:
-            raise NormswapError(f"teacher and student outputs differ: {tuple(t.logits.shape)} vs "
-                                f"{tuple(s.logits.shape)} (different vocabularies?)")
-        ls, lt = s.logits.float().log_softmax(-1), t.logits.float().log_softmax(-1)
-        return F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1).mean()
-    if len(s.hidden_states) != len(t.hidden_states) or s.hidden_states[-1].shape != t.hidden_states[-1].shape:
-        raise NormswapError("teacher and student hidden states differ in shape: not the same architecture")
-    return sum(F.mse_loss(a.float(), b.float()) for a, b in zip(s.hidden_states, t.hidden_states)) / len(
-        s.hidden_states)
-
-
 def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite, partial):
     if train not in DEFAULT_LR:
-        raise NormswapError(f"unknown train mode '{train}': choose norms or all")
+        raise NormswapError(f"unknown train mode '{train}': choose norms, all or lora")
     if objective not in ("kd", "lm"):
         raise NormswapError(f"unknown objective '{objective}': choose kd or lm")
     if objective == "kd" and teacher is None:
@@ -151,8 +79,9 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
         safetensors.check_space(out, safetensors.total_bytes(safetensors.saved_specs(student)))
 
 
-def _save(student, tokenizer, out, overwrite: bool, info: dict, partial: Path) -> str | None:
+def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, partial: Path) -> str | None:
     student.config.normswap_heal = info
+    files = {tracking.LOG_FILE: json.dumps(log, indent=1)}
     if info["interrupted"]:
         if partial.exists():  # replace an earlier partial checkpoint, never anything else
             try:
@@ -160,21 +89,24 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict, partial: Path) -
                     return None
             except (OSError, ValueError):
                 return None
-        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True))
-    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite))
+        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True, files=files))
+    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite, files=files))
 
 
-def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None, steps: int = 200,
-         lr: float | None = None, train: str = "norms", objective: str = "kd", seq_len: int = 128,
-         batch_size: int = 8, seed: int = 0, out: str | Path | None = None, overwrite: bool = False,
+def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None,
+         options: HealOptions | None = None, *, out: str | Path | None = None, overwrite: bool = False,
          progress: bool = True, callback: Callable[[int, float], None] | None = None,
-         cpu: bool | None = None, fsdp: bool | None = None, partial: str | Path | None = None) -> HealReport:
+         cpu: bool | None = None, fsdp: bool | None = None, partial: str | Path | None = None,
+         **fields) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
-    train: "norms" (only norm gains/biases; lr default 1e-2) or "all" (lr default 3e-4). AdamW, no
-    weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat
-    exactly. out: save the result there (atomically) at the end. callback(step, loss) runs after every
-    step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
+    options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
+    its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
+    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
+    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3). AdamW, no
+    weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
+    out: save the result there (atomically) at the end, with heal_log.json. callback(step, loss) runs after
+    every step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
     the module docstring. fsdp: shard the student over the processes (None: when the launch asked for FSDP).
     partial: where an interrupted run saves (default `<out>.partial`). Diverged training (a non-finite
     loss or weight) raises NormswapError, nothing saved; `student` then holds the last finite step.
@@ -183,8 +115,14 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
+    if options is not None and not isinstance(options, HealOptions):
+        raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
+    o = dataclasses.replace(options or HealOptions(), **fields)
+    steps, lr, train, objective, seq_len, batch_size, seed = (o.steps, o.lr, o.train, o.objective, o.seq_len,
+                                                              o.batch_size, o.seed)
     partial = Path(partial) if partial is not None else partial_path(out) if out is not None else None
     _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite, partial)
+    tracking.check(o, out)
     lr = float(lr if lr is not None else DEFAULT_LR[train])
     ids = token_stream(tokenizer, texts)
     causal = is_causal_lm(student)
@@ -194,10 +132,13 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     seq_len = min(int(seq_len), limit or seq_len, len(ids))
     if seq_len < 2:
         raise NormswapError("the training text has fewer than 2 tokens")
+    ids, held = tracking.hold_out(ids, o, tokenizer, seq_len)  # held-out windows leave the training tokens
+    held = held if held is None or causal else wrap_special(tokenizer, held)
 
     # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
     # distribution at all.
-    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu,
+                              **tracking.accelerator_kwargs(o))
     sharded = heal_fsdp.requested(accelerator, fsdp)
     ranks, rank = accelerator.num_processes, accelerator.process_index
     if batch_size % ranks:
@@ -210,29 +151,45 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     local = batch_size // ranks
     dtype = next(student.parameters()).dtype
     student.float()  # train in fp32 whatever the stored dtype; cast back at the end
-    grad_before = {n: p.requires_grad for n, p in student.named_parameters()}
-    chosen = dict(student.named_parameters()) if train == "all" else norm_parameters(student)
-    if not chosen:
-        raise NormswapError("the model has no norm parameters to train: use `train='all'`")
-    for p in student.parameters():
-        p.requires_grad_(False)
-    for p in chosen.values():
-        p.requires_grad_(True)
-    trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
-    student.eval()  # no dropout: match the teacher's deterministic function
-    # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
-    model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    if not sharded:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
-    # global batch split over processes would decay the learning rate N times too fast.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(int(steps)))
-    if teacher is not None:
-        teacher.eval().to(accelerator.device)
+    grad_before = {p: p.requires_grad for p in student.parameters()}  # by identity: LoRA renames layers
+    parameters = sum(p.numel() for p in student.parameters())
+    norms = norm_parameters(student)  # before LoRA wraps the layers holding added biases
+    adapters = None
+    try:  # a failure before training must not leave adapters, flags or fp32 behind
+        adapters = heal_lora.Adapters(student, o.lora) if train == "lora" else None
+        chosen, lrs = to_train(student, train, norms, adapters, o.lora.norms, lr)
+        if not chosen:
+            raise NormswapError("the model has no norm parameters to train: use `train='all'`")
+        for p in student.parameters():
+            p.requires_grad_(False)
+        for p in chosen.values():
+            p.requires_grad_(True)
+        trainable = sum(p.numel() for p in student.parameters() if p.requires_grad)
+        student.eval()  # no dropout: match the teacher's deterministic function
+        # FSDP: the optimizer must hold the shards (DTensors), so it is made after sharding
+        model, units = heal_fsdp.shard(student, accelerator.device) if sharded else (student, 0)
+        optimizer = torch.optim.AdamW(optimizer_groups(model, lrs), lr=lr, weight_decay=0.0)
+        if not sharded:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        # The scheduler stays unprepared: Accelerate would step it once per process per step, which with a
+        # global batch split over processes would decay the learning rate N times too fast.
+        schedule = _schedule(int(steps))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        if teacher is not None:
+            teacher.eval().to(accelerator.device)
+        lora_info = None if adapters is None else {"rank": o.lora.rank, "alpha": o.lora.scale * o.lora.rank,
+                                                   "targets": adapters.targets, "norms": o.lora.norms}
+        monitor = tracking.Monitor(accelerator, o, held, teacher, objective, hparams={
+            "steps": int(steps), "lr": lr, "train": train, "objective": objective, "seq_len": seq_len,
+            "batch_size": batch_size, "seed": seed, "trainable": trainable, "processes": ranks,
+            **({"lora_rank": o.lora.rank, "lora_alpha": lora_info["alpha"]} if lora_info else {})})
+    except BaseException:
+        _restore(student, adapters, grad_before, dtype)
+        raise
 
     losses: list[float] = []
-    stop = {"requested": False, "updating": False, "torn": False, "signum": None, "diverged": None}
+    stop = {"requested": False, "updating": False, "torn": False, "signum": None, "diverged": None,
+            "ended": False}
 
     def on_signal(signum, frame):   # Ctrl-C or SIGTERM: stop after this step; a second one: at once
         if stop["requested"]:
@@ -245,12 +202,13 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     bar = tqdm(total=int(steps), desc="heal", disable=not progress or not accelerator.is_local_main_process)
     start = time.perf_counter()
     try:
+        monitor.start(model)
         for _ in range(int(steps)):
             starts = torch.randint(0, len(ids) - seq_len + 1, (batch_size,), generator=gen)
             mine = starts[rank * local:(rank + 1) * local]
             x = torch.stack([ids[s:s + seq_len] for s in mine.tolist()])
             x = (x if causal else wrap_special(tokenizer, x)).to(accelerator.device)
-            loss = _loss(model, teacher, x, objective)
+            loss = window_losses(model, teacher, x, objective).mean()
             value = accelerator.reduce(loss.detach(), "mean").item()  # the global batch's loss
             if not math.isfinite(value):   # every process sees the same value: all stop here
                 stop["diverged"] = f"at step {len(losses) + 1}/{int(steps)} (loss {value})"
@@ -262,32 +220,38 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
             optimizer.zero_grad(set_to_none=True)
             stop["updating"] = False
             losses.append(value)
+            early = monitor.step(model, len(losses), value, lr * schedule(len(losses) - 1))  # same everywhere
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if callback is not None:
                 callback(len(losses), losses[-1])
             if stop["requested"]:
                 accelerator.set_trigger()
-            if accelerator.check_trigger():  # any process interrupted: all stop at the same step
+            if accelerator.check_trigger() or early:  # any process interrupted: all stop at the same step
                 break
+        stop["ended"] = True
     except KeyboardInterrupt as e:
-        stop["requested"], stop["torn"] = True, stop["updating"]
+        stop["requested"], stop["torn"], stop["ended"] = True, stop["updating"], True
         stop["signum"] = stop["signum"] or (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     finally:
         bar.close()
-        for s, handler in old_handlers.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        student = student if sharded else accelerator.unwrap_model(model)
-        for n, p in student.named_parameters():
-            p.requires_grad_(grad_before[n])
-        student.to(dtype)
-    # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before heal). A
-    # collective, so Ctrl-C is held off: one process leaving it early would hang the others.
-    if sharded and not stop["torn"]:
-        with _signals_held(main_thread):
-            heal_fsdp.gather_into(model, student)
-    trained = dict(student.named_parameters())
-    bad = [n for n in chosen if not bool(torch.isfinite(trained[n]).all())]
+        try:
+            if stop["ended"] and not stop["torn"]:  # collectives: every process gets here at the same step
+                if not stop["diverged"]:
+                    monitor.finish(model, len(losses))  # last evaluation; early_stop: the best weights back
+                # FSDP: the trained shards go back into `student` (a torn update leaves it as it was before
+                # heal). Signals are held off: one process leaving early would hang the others.
+                if sharded:
+                    with _signals_held(main_thread):
+                        heal_fsdp.gather_into(model, student)
+        finally:
+            monitor.end()
+            for s, handler in old_handlers.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            student = student if sharded else accelerator.unwrap_model(model)
+            _restore(student, adapters, grad_before, dtype)
+    # adapters are merged by now: check the weights they went into, and every trained one
+    bad = [n for n, p in student.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if stop["diverged"] or (bad and not stop["torn"]):
         why = stop["diverged"] or f"after {len(losses)} steps ({len(bad)} trained tensors not finite, {bad[0]} first)"
         raise NormswapError(f"training diverged {why}: nothing was saved; use a lower `lr` (this run: {lr:g})")
@@ -295,13 +259,29 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     report = HealReport(int(steps), len(losses), train, objective, trainable, lr, seq_len, batch_size, seed,
                         losses[0] if losses else None, sum(losses[-10:]) / len(losses[-10:]) if losses else None,
                         time.perf_counter() - start, "fsdp" if sharded else "ddp" if ranks > 1 else "none", ranks,
-                        units, interrupted=len(losses) < int(steps), losses=losses,
-                        signum=int(stop["signum"]) if stop["signum"] else None)
+                        units, interrupted=len(losses) < int(steps) and not monitor.stopped_early,
+                        signum=int(stop["signum"]) if stop["signum"] else None,
+                        parameters=parameters, lora=lora_info, eval_metric=monitor.metric,
+                        eval_first=monitor.evals[0][1] if monitor.evals else None,
+                        eval_best=monitor.best[1] if monitor.best else None,
+                        best_step=monitor.best[0] if monitor.best else None, restored_step=monitor.restored_step,
+                        stopped_early=monitor.stopped_early, losses=losses, evals=monitor.evals,
+                        history=monitor.history)
     if out is not None and not stop["torn"] and losses:
         if accelerator.is_main_process:
             _save_keeping_work(student, tokenizer, out, overwrite, report, main_thread, partial)
         accelerator.wait_for_everyone()
     return report
+
+
+def _restore(student: nn.Module, adapters, grad_before: dict, dtype: torch.dtype) -> None:
+    """The student as heal found it but for the trained values: adapters merged (in fp32, before the cast
+    back; the layers are the model's own again), requires_grad flags and dtype as they were."""
+    if adapters is not None:
+        adapters.merge()
+    for p, before in grad_before.items():
+        p.requires_grad_(before)
+    student.to(dtype)
 
 
 def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealReport, main_thread: bool,
@@ -314,12 +294,12 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
                                                 "batch_size", "seed", "interrupted")}
     if not report.interrupted:
         try:
-            report.saved_to = _save(student, tokenizer, out, overwrite, info(), partial)
+            report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
             return
         except KeyboardInterrupt:  # the atomic save leaves `out` as it was; keep the work in .partial
             report.interrupted, report.save_interrupted = True, True
     with _signals_held(main_thread):
-        report.saved_to = _save(student, tokenizer, out, overwrite, info(), partial)
+        report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
 
 
 @contextlib.contextmanager

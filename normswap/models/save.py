@@ -23,11 +23,12 @@ from normswap.models.source import transformers_class
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool | str = False,
                     max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                     check: Callable[[Path], None] | None = None,
-                    tensors: Iterable[torch.Tensor] | None = None) -> Path:
+                    tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None) -> Path:
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
-    order, when they are not the model's own (streaming computes them as they are written).
+    order, when they are not the model's own (streaming computes them as they are written). files: more text
+    files to write beside the weights, name -> content (heal's heal_log.json; names in `owned.FILES`).
 
     overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
     """
@@ -57,6 +58,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
                 model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         if check is not None:
             check(tmp)
     return Path(out)

@@ -23,20 +23,6 @@ from normswap.models.source import read_config
 FAST = dict(seq_len=32, batch_size=4, progress=False)
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
-
-
-@pytest.fixture(scope="module")
-def pair(tok):
-    """(teacher with perturbed LayerNorms, its naive RMSNorm conversion)."""
-    teacher = gpt2(len(tok))
-    student = copy.deepcopy(teacher)
-    normswap.convert(student, method="naive")
-    return teacher, student
-
-
 TRAIN, HELD = [text(3000, seed=0)], [text(600, seed=9)]
 
 

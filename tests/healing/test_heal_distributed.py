@@ -44,9 +44,9 @@ def one_norms(folders):
     return _heal(folders, folders / "one-norms", [sys.executable], train="norms")
 
 
-def _heal(d, out, launcher: list[str], train: str = "all") -> dict:
+def _heal(d, out, launcher: list[str], train: str = "all", extra: tuple = ()) -> dict:
     args = ["-m", "normswap", "heal", d / "conv", "--teacher", d / "orig", "--data", d / "train.txt",
-            "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--train", train, "-o", out, "--json"]
+            "--steps", 6, "--seq-len", 32, "--batch-size", 4, "--train", train, "-o", out, "--json", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([*launcher, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -98,6 +98,41 @@ def test_fsdp_shards_and_follows_the_one_process_curve(folders, train, request, 
     conv = from_pretrained(folders / "conv").state_dict()
     changed = {k for k in sb if not torch.equal(sb[k], conv[k])}  # it trained, and only what it was asked to
     assert changed == ({k for k in sb if ".ln_" in k} if train == "norms" else set(sb)), changed
+
+
+# LoRA with held-out evaluation: the evaluation is reduced over the processes (the value one process gets).
+# FSDP also stops early: at lr 0.05 the step-2 evaluation is far worse than step 0's, so the weights of step 0
+# must come back into the shards (DTensors) before they are gathered and the adapters merged.
+LORA = {"ddp": ("--lora-rank", 2, "--eval-every", 3, "--eval-fraction", 0.2),
+        "fsdp": ("--lora-rank", 2, "--eval-every", 2, "--eval-fraction", 0.2, "--early-stop", "--patience", 1,
+                 "--lr", 0.05)}
+
+
+@pytest.mark.skipif(ACCELERATE is None, reason="accelerate CLI not installed")
+@pytest.mark.parametrize("how", ["ddp", "fsdp"])
+def test_lora_on_two_processes_follows_one(folders, how, tmp_path):
+    pytest.importorskip("peft")
+    one = _heal(folders, tmp_path / "one", [sys.executable], "lora", LORA[how])
+    launch = [ACCELERATE, "launch", "--num_processes", "2", "--main_process_port", str(_free_port()), *(
+        ["--config_file", str(FSDP_CONFIG)] if how == "fsdp" else
+        ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"])]
+    two = _heal(folders, tmp_path / "two", launch, "lora", LORA[how])
+    assert two["parallel"] == how and two["trainable"] == one["trainable"]
+    for key in ("losses", "evals"):
+        a, b = torch.tensor(one[key], dtype=torch.float64), torch.tensor(two[key], dtype=torch.float64)
+        assert torch.allclose(a, b, rtol=1e-5, atol=0), (key, a, b)
+    sa, sb = from_pretrained(tmp_path / "one").state_dict(), from_pretrained(tmp_path / "two").state_dict()
+    assert sa.keys() == sb.keys() and not any("lora" in k for k in sb)
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], rtol=1e-5, atol=1e-6), (k, (sa[k] - sb[k]).abs().max())
+    conv = from_pretrained(folders / "conv").state_dict()
+    if how == "ddp":  # trained: the adapters' targets and the norm gains changed
+        assert two["steps_done"] == 6 and [e[0] for e in two["evals"]] == [0, 3, 6]
+        assert {k for k in sb if not torch.equal(sb[k], conv[k])} == {
+            k for k in sb if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")) or ".ln_" in k}
+    else:  # stopped at step 2, step 0's weights back: the converted model as it was
+        assert (two["steps_done"], two["best_step"], two["restored_step"]) == (2, 0, 0), two
+        assert all(torch.equal(sb[k], conv[k]) for k in sb)
 
 
 def _heal_batch(d, out):

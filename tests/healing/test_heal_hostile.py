@@ -38,7 +38,7 @@ def heal_cli(saved, out, *extra, src=None):
 @pytest.fixture
 def signals_in_first_loss(monkeypatch):
     """signals_in_first_loss(sig, n): the first loss computation receives `n` signals `sig`."""
-    real = loop._loss
+    real = loop.window_losses
     plan = {"sig": None, "n": 0, "calls": 0}
 
     def loss(*a, **k):
@@ -47,7 +47,7 @@ def signals_in_first_loss(monkeypatch):
             for _ in range(plan["n"]):
                 os.kill(os.getpid(), plan["sig"])
         return real(*a, **k)
-    monkeypatch.setattr(loop, "_loss", loss)
+    monkeypatch.setattr(loop, "window_losses", loss)
 
     def arm(sig, n):
         plan.update(sig=sig, n=n, calls=0)

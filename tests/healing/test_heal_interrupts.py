@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.heal_models import save_pair, text, tokenizer
+from helpers.heal_models import save_pair, text
 from click.testing import CliRunner
 
 import normswap
@@ -21,11 +21,6 @@ from normswap.models.source import read_config
 
 FAST = dict(seq_len=32, batch_size=4, progress=False)
 TRAIN = [text(1500, seed=0)]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tokenizer()
 
 
 @pytest.fixture(scope="module")
