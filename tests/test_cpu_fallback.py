@@ -72,3 +72,16 @@ def test_explicit_cpu_backend_refuses_to_fall_back(fresh, monkeypatch):
     monkeypatch.setenv("NORMSWAP_BACKEND", "cpu")
     with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="NORMSWAP_BACKEND=cpu"):
         RMSNorm(8)(torch.randn(2, 8))
+
+
+def test_a_compile_error_is_recorded_once(fresh, monkeypatch):
+    from torch.utils import cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Error building extension 'normswap_cpu_test':\nkernels.cpp:1: error: boom")
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    monkeypatch.setattr(cpu.shutil, "which", lambda tool: "/usr/bin/" + tool)  # a toolchain "is" there
+    with pytest.warns(RuntimeWarning, match="the build failed, log: .*failed"):
+        assert cpu.extension() is None
+    log = fresh / "cpu-test" / "failed"
+    assert "error: boom" in log.read_text()

@@ -209,6 +209,8 @@ def test_modules_use_the_kernel_by_default(ext):
     assert cpu_ops_called(lambda: norm(x)) == {"normswap::cpu_rms_norm"}
     assert cpu_ops_called(lambda: norm(x, residual=x)) == {"normswap::cpu_rms_norm_add"}
     close(pnorm(x), ref64(x, pnorm.weight.detach(), p=0.25), torch.float32)
+    with torch.inference_mode():  # no autograd key at all: straight to the CPU kernel
+        close(norm(x), ref64(x, norm.weight.detach()), torch.float32, "inference mode")
 
 
 def test_backend_setting_is_seen_at_the_next_call(ext, monkeypatch):

@@ -95,7 +95,7 @@ def build() -> object:
         return sys.modules[name]
     if not done.exists():
         if failed.exists():  # a compile error is not retried in every process: delete the folder to retry
-            raise RuntimeError(f"an earlier build failed (log: {failed})")
+            raise RuntimeError(f"an earlier build failed, log: {failed}; delete it to retry")
         missing = [tool for tool in ("ninja", os.environ.get("CXX", "c++")) if shutil.which(tool) is None]
         if missing:
             raise RuntimeError(f"{' and '.join(missing)} not found (a C++ compiler and `pip install ninja`)")
@@ -111,6 +111,10 @@ def build() -> object:
 def _compile(name: str, where: Path, flags: list[str], failed: Path):
     from torch.utils import cpp_extension
 
+    from normswap import progress
+    if progress.enabled():  # the CLI: say why the first run pauses
+        print("normswap: building the fast CPU RMSNorm (once per machine and version, about a minute)",
+              file=sys.stderr, flush=True)
     # A build killed midway leaves torch's own lock file behind; we hold the real lock, so drop it.
     (where / "lock").unlink(missing_ok=True)
     here = Path(__file__).parent
@@ -118,10 +122,10 @@ def _compile(name: str, where: Path, flags: list[str], failed: Path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # compiler-version notices: the outcome is what matters
             return cpp_extension.load(name, [str(here / s) for s in SOURCES], extra_cflags=flags,
-                               extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
+                                      extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
     except Exception as e:
         failed.write_text(f"{type(e).__name__}: {e}\n")
-        raise
+        raise RuntimeError(f"the build failed, log: {failed}") from e
 
 
 @functools.cache
