@@ -258,6 +258,23 @@ def test_modules_under_compile_take_the_decomposition(ext):
     close(y, ref64(x, norm.weight.detach()), torch.float32)
 
 
+def test_func_transforms_and_forward_ad_take_the_pytorch_path(ext):
+    import torch.autograd.forward_ad as fwad
+    norm, x = RMSNorm(16), make((3, 4, 16), torch.float32)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    w = norm.weight.detach()
+    close(torch.vmap(norm)(x), ref64(x, w), torch.float32, "vmap")
+    (dx,) = grads(lambda a, b, c: norm(a), x, None, None, torch.ones_like(x), None)
+    close(torch.func.grad(lambda t: norm(t).sum())(x), dx, torch.float32, "func.grad")
+    tangent = make(x.shape, torch.float32, seed=5)
+    with fwad.dual_level():
+        jvp = fwad.unpack_dual(norm(fwad.make_dual(x, tangent))).tangent
+    _, jvp_ref = torch.func.jvp(lambda t: reference.rms_norm_reference(t.double(), w.double(), norm.eps),
+                                (x,), (tangent,))
+    close(jvp, jvp_ref, torch.float32, "forward AD")
+
+
 def test_export_and_tracing_take_the_pytorch_path(ext):
     norm, x = RMSNorm(32), make((2, 32), torch.float32)
     graph = torch.export.export(norm, (x,)).graph_module.code

@@ -7,8 +7,9 @@ NORMSWAP_BACKEND:
   triton the Triton kernels always; CPU tensors need TRITON_INTERPRET=1 (how CI tests them);
   torch  the pure-PyTorch reference.
 ONNX export and TorchScript tracing always take the PyTorch path: its ops export, a custom op does not.
-So does torch.compile on CPU: Inductor fuses the decomposition with its neighbours, which the opaque
-C++ op would prevent (measured in benchmarks/RESULTS.md, "CPU kernel").
+So do torch.compile on CPU (Inductor fuses the decomposition with its neighbours, which the opaque C++
+op would prevent: measured in benchmarks/RESULTS.md, "CPU kernel"), torch.func transforms and
+forward-mode AD (the C++ autograd supports neither).
 
 Eager CPU calls decide once per NORMSWAP_BACKEND value (a change is seen at the next call) and then go
 straight to C++: no per-call backend resolution, export check or input check in Python.
@@ -19,6 +20,7 @@ import importlib.util
 import os
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from normswap.ops.reference import check_eps, check_float, partial_width, rms_norm_reference
 from normswap.ops.reference import exporting as _exporting
@@ -38,6 +40,7 @@ except AttributeError:  # not CPython's os.environ
     _env_raw, _ENV_KEY = os.environ.get, ENV
 _is_compiling = torch.compiler.is_compiling
 _is_tracing = torch._C._is_tracing
+_functorch_active = torch._C._are_functorch_transforms_active
 _eager = [object(), None]  # [the raw NORMSWAP_BACKEND it was decided for, the C++ module or None]
 
 
@@ -48,13 +51,19 @@ def _setting() -> str:
     return choice
 
 
-def _cpu_kernel_available(required: bool) -> bool:
+def _pytorch_form_needed() -> bool:
+    """torch.compile or export (is_compiling), TorchScript tracing, a torch.func transform or forward-mode
+    AD: the C++ op (its C++ autograd) serves none of them, the PyTorch form serves all."""
+    return _is_compiling() or _is_tracing() or _functorch_active() or _fwad._current_level >= 0
+
+
+def _cpu_module(required: bool):
+    """The compiled CPU kernel module (built at the first call), or None where it cannot be built."""
     from normswap.ops import cpu
-    if cpu.extension() is not None:
-        return True
-    if required:
+    module = cpu.extension()
+    if module is None and required:
         raise RuntimeError(f"{ENV}=cpu but the C++ CPU kernel could not be built (see the warning above)")
-    return False
+    return module
 
 
 def resolve_backend(x: torch.Tensor) -> str:
@@ -67,10 +76,10 @@ def resolve_backend(x: torch.Tensor) -> str:
             raise RuntimeError(f"{ENV}=triton but Triton is not installed (pip install normswap[gpu])")
         return "triton"
     if x.device.type == "cpu":
-        if _is_compiling():  # see the module docstring
+        if _pytorch_form_needed():
             return "torch"
-        return "cpu" if _cpu_kernel_available(choice == "cpu") else "torch"
-    return "triton" if HAS_TRITON and x.is_cuda and choice == "auto" else "torch"
+        return "cpu" if _cpu_module(choice == "cpu") is not None else "torch"
+    return "triton" if HAS_TRITON and x.is_cuda else "torch"
 
 
 def _eager_cpu_module():
@@ -78,18 +87,14 @@ def _eager_cpu_module():
     raw = _env_raw(_ENV_KEY)
     if raw is not _eager[0]:
         choice = _setting()
-        module = None
-        if choice in ("auto", "cpu") and _cpu_kernel_available(choice == "cpu"):
-            from normswap.ops import cpu
-            module = cpu.extension()
-        _eager[:] = [raw, module]
+        _eager[:] = [raw, _cpu_module(choice == "cpu") if choice in ("auto", "cpu") else None]
     return _eager[1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              residual: torch.Tensor | None = None, p: float | None = None):
     """RMSNorm over the last dim (pRMSNorm when p is given); returns y, or (y, x + residual) with `residual`."""
-    if x.is_cpu and not (_is_compiling() or _is_tracing()):  # (torch.export sets is_compiling too)
+    if x.is_cpu and not _pytorch_form_needed():
         fast = _eager_cpu_module()
         if fast is not None:  # checks, promotion and broadcasting happen in C++
             k = -1 if p is None else partial_width(x.shape[-1], p)
