@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 SOURCES = ("cpu_kernels.cpp", "cpu_bindings.cpp")
-# Flags of ATen's own per-ISA kernels (cmake/Codegen.cmake), so at::vec picks the same vector width.
+# The extensions ATen's own AVX512/AVX2 kernels are built for (AVX512: -mavx512f/bw/vl/dq -mfma, as in
+# torch's cmake), so at::vec picks the same vector width; plus F16C for fp16 conversions (every AVX2 CPU
+# has it; at::vec's AVX2 half conversions use it).
 ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
