@@ -61,8 +61,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     two just below their max |x| (never scaled up): x/s / sqrt(mean((x/s)^2) + eps/s^2) is the same
     value and power-of-two scaling is exact, so results are bit-identical wherever nothing overflowed.
     On CPU (eager) the scaled pass runs only when a mean square overflowed (the check is free there;
-    always scaling cost 1.5-3x); on CUDA and under torch.compile it always runs (no host sync, no graph
-    break). Skipped while exporting: onnxruntime fuses only the plain form, whose range is then fp32's.
+    always scaling cost 1.5-3x); on CUDA, under torch.compile and under torch.func transforms it always
+    runs (no host sync, no graph break, no data-dependent branch for vmap). Skipped while exporting:
+    onnxruntime fuses only the plain form, whose range is then fp32's.
     """
     check_float(x, residual)
     h = x if residual is None else x + residual
@@ -70,7 +71,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     k = partial_width(h.shape[-1], p)
     hk = hf if k == h.shape[-1] else hf[..., :k]
     ms = None
-    if exporting() or (h.device.type == "cpu" and not torch.compiler.is_compiling()):
+    if exporting() or (h.device.type == "cpu" and not torch.compiler.is_compiling()
+                       and not torch._C._are_functorch_transforms_active()):
         ms = hk.pow(2).mean(-1, keepdim=True)
         if not exporting() and not bool(torch.isfinite(ms).all()):
             ms = None   # a square overflowed: take the scaled pass below

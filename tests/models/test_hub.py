@@ -70,7 +70,9 @@ def run_without_normswap(tmp_path, jobs: dict) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def test_loads_without_normswap_exactly(tmp_path):
+def test_loads_without_normswap_exactly(tmp_path, monkeypatch):
+    # The template repeats the PyTorch path's arithmetic; the fused CPU kernel rounds differently (~5e-7).
+    monkeypatch.setenv("NORMSWAP_BACKEND", "torch")
     demo, tok = normswap.load_model("normswap-demo")
     jobs = {}
     for method, to in (("exact", "rmsnorm"), ("naive", "rmsnorm"), ("naive", "prmsnorm")):
@@ -185,8 +187,9 @@ def test_old_layout_still_loads(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("p", [None, 0.25])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_template_norm_matches_normswap(p, dtype):
-    """The shipped RMSNorm computes what normswap's does (no drift), against an fp64 reference."""
+def test_template_norm_matches_normswap(p, dtype, monkeypatch):
+    """The shipped RMSNorm computes what normswap's PyTorch path does (no drift), against an fp64 reference."""
+    monkeypatch.setenv("NORMSWAP_BACKEND", "torch")  # the fused CPU kernel rounds differently (~1 ulp)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(3, 5, 48, generator=g) * 4 + 1).to(dtype)
     w = torch.rand(48, generator=g) + 0.5

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from normswap import PartialRMSNorm, RMSNorm, ops  # noqa: E402
-from normswap.ops import reference, triton_kernels as K  # noqa: E402
+from normswap.ops import cpu, reference, triton_kernels as K  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not K.INTERPRETED,
@@ -214,21 +214,27 @@ def _count_reference_calls(monkeypatch):
     return calls
 
 
+def _cpu_auto() -> str:
+    """What auto picks for CPU tensors: the C++ kernel, or the PyTorch path where it cannot be built."""
+    return "cpu" if cpu.extension() is not None else "torch"
+
+
 @pytest.mark.parametrize("setting,expected", [("triton", "triton"), ("torch", "torch"),
-                                              ("auto", "triton" if DEVICE == "cuda" else "torch")])
+                                              ("auto", "triton" if DEVICE == "cuda" else "cpu-auto")])
 def test_backend_switch_routes(monkeypatch, setting, expected):
+    expected = _cpu_auto() if expected == "cpu-auto" else expected
     monkeypatch.setenv("NORMSWAP_BACKEND", setting)
     calls = _count_reference_calls(monkeypatch)
     before = K.launches["fwd"]
     x = make((3, 16), torch.float32)
     ops.rms_norm(x, None, EPS)
     assert ops.resolve_backend(x) == expected
-    assert (K.launches["fwd"] - before, len(calls)) == ((1, 0) if expected == "triton" else (0, 1))
+    assert (K.launches["fwd"] - before, len(calls)) == {"triton": (1, 0), "torch": (0, 1), "cpu": (0, 0)}[expected]
 
 
-def test_auto_uses_torch_for_cpu_tensors(monkeypatch):
+def test_auto_uses_the_cpu_kernel_for_cpu_tensors(monkeypatch):
     monkeypatch.delenv("NORMSWAP_BACKEND", raising=False)
-    assert ops.resolve_backend(torch.zeros(2, 4)) == "torch"
+    assert ops.resolve_backend(torch.zeros(2, 4)) == _cpu_auto()
 
 
 def test_backend_switch_rejects_unknown(monkeypatch):
