@@ -54,6 +54,7 @@ from normswap.surgery.algebra import centre_outputs, fold_bias, fold_scale
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.plan import NormPlan, Plan, Step, derive
+from normswap.surgery.rehearse import rehearsal
 from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite
 
@@ -66,35 +67,60 @@ class NotExact(NormswapError):
     """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
+class VerificationFailed(NormswapError):
+    """The edited model's outputs differ from the original's beyond tolerance (nothing may be saved)."""
+
+
 def _line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0]   # errors reach the CLI as one line
 
 
-def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) -> Plan:
-    """Trace `model` once on `inputs` (default: its first sample input) and derive the plan; the plan's
-    `reason` is set where a norm cannot be made exact."""
+def _refused(sites: list[NormSite], reason: str) -> Plan:
+    return Plan({s.name: NormPlan(s.name, s.width, reason=reason) for s in sites}, [])
+
+
+def plan(model: nn.Module, sites: list[NormSite], inputs: dict | list[dict] | None = None) -> Plan:
+    """Trace `model` on `inputs` (default: all its sample inputs, the ones verification uses), merge what
+    every forward showed and derive the plan; the plan's `reason` is set where a norm cannot be made exact."""
     if inputs is None:
         try:
-            inputs = sample_inputs(model, batch=1, seq=8)[0]
+            inputs = sample_inputs(model)
         except Exception as e:  # a model sample_inputs cannot feed
-            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({_line(e)})")
-                         for s in sites}, [])
+            return _refused(sites, f"no sample input to trace it ({_line(e)})")
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
     try:
-        t = trace(model, inputs, norms | {s.name for s in sites})
+        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms | {s.name for s in sites})
     except Exception as e:  # the forward itself failed: say so instead of a traceback
-        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {_line(e)}")
-                     for s in sites}, [])
-    return derive(model, t, sites)
+        return _refused(sites, f"tracing failed: {type(e).__name__}: {_line(e)}")
+    try:
+        return derive(model, t, sites)
+    except Exception as e:  # never an internal error: a refusal that says what failed
+        return _refused(sites, f"the exact plan could not be derived ({type(e).__name__}: {_line(e)})")
+
+
+def not_preserved(model: nn.Module, p: Plan) -> list[str]:
+    """Returned outputs an exact conversion cannot keep: the residual stream is centred inside the model."""
+    out = [f"{name}: {why}" for name, why in p.not_kept.items()]
+    if hasattr(getattr(model, "config", None), "output_hidden_states"):
+        out.append("hidden_states (output_hidden_states=True): the residual stream inside the model, returned "
+                   "centred (each row minus its mean)")
+    return out
 
 
 def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
     """Methods "exact" and "auto" (in memory and streaming alike): steps.apply(model, sites, plan) where
-    steps.plan(model, sites) finds the model exact; else refuse ("exact") or naive with a warning ("auto")."""
+    steps.plan(model, sites) finds the model exact and the plan passes its rehearsal; else refuse ("exact")
+    or naive with a warning ("auto"). Any failure before the edits falls back: the model is untouched."""
     try:
-        p = steps.plan(model, sites)
+        try:
+            p = steps.plan(model, sites)
+        except NormswapError:
+            raise
+        except Exception as e:
+            raise NotExact(f"the exact plan failed ({type(e).__name__}: {_line(e)})") from None
         if p.reason:
             raise NotExact(p.reason)
+        result = steps.apply(model, sites, p)
     except NotExact as e:
         if method == "exact":
             raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
@@ -103,7 +129,8 @@ def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: E
         result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
                                "and changes outputs: measure the change and heal (fine-tune)")
         return result
-    return steps.apply(model, sites, p)
+    result.not_preserved = not_preserved(model, p)
+    return result
 
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
@@ -168,7 +195,7 @@ def verify(reference: Reference, model: nn.Module, enforce: bool = True) -> dict
     with _fp32_eval(model):
         parity = compare_to(reference, model)
     if parity.nonfinite:
-        raise NormswapError(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
+        raise VerificationFailed(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
                             f"non-finite (NaN/inf) {parity.output} values; nothing was saved")
     return judge(parity, dtype, enforce)
 
@@ -177,7 +204,7 @@ def judge(parity, dtype: torch.dtype, enforce: bool) -> dict:
     """The verification record of a finished comparison; NormswapError beyond TOLERANCE when `enforce`."""
     tol = TOLERANCE.get(dtype, 1e-4)
     if enforce and not parity.max_rel <= tol:  # also catches NaN
-        raise NormswapError(f"exact conversion failed verification: max relative {parity.output} error "
+        raise VerificationFailed(f"exact conversion failed verification: max relative {parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
     return {**parity.to_dict(), "dtype": str(dtype)[6:], "tolerance": tol, "enforced": enforce}
 
@@ -193,20 +220,35 @@ def bias_fates(p: Plan) -> dict[str, str]:
     return {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
 
 
+def rehearse(model: nn.Module, sites: list[NormSite], p: Plan, reference: Reference) -> None:
+    """Run the plan as hooks on the unedited model (`rehearse.rehearsal`) against the reference; NotExact
+    (the model untouched) if it is not exact to the fp32 tolerance: then the trace missed something."""
+    try:
+        with _fp32_eval(model), rehearsal(model, sites, p, set(p.uncalled), output_fix):
+            parity = compare_to(reference, model)
+    except Exception as e:
+        raise NotExact(f"the plan could not be rehearsed ({type(e).__name__}: {_line(e)})") from None
+    tol = TOLERANCE[torch.float32]
+    if not parity.finite or not parity.max_rel <= tol:
+        raise NotExact(f"the traced plan failed verification before any edit (max relative {parity.output} error "
+                       f"{parity.max_rel:.2e} > {tol:g}): the model does something the trace does not see")
+
+
 @torch.no_grad()
 def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
     reference = _reference(model)   # before any edit: outputs, not a copy
+    rehearse(model, sites, p, reference)
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     added: list[str] = []
     inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
-            centre_outputs(model, step.target, step.group)
+            centre_outputs(model, step.target, step.group, step.ranges)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if fold_bias(model.get_submodule(step.target), b) else []
         elif step.op == "scale":
-            fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
+            fold_scale(model, step.target, step.norm)
         elif step.norm == "input":
             inputs.append(step.target)
         else:   # output fixes wait for the swap
