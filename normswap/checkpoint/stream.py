@@ -34,7 +34,7 @@ from normswap.models.rebuild import apply_structure, base_config
 from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, read_config
 from normswap.parity import Parity, compare, refuse_nonfinite
-from normswap.surgery.algebra import centre_outputs, ensure_bias, fold_bias, scale_outputs
+from normswap.surgery.algebra import centre_outputs, ensure_bias, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
@@ -100,7 +100,7 @@ class Deferred:
                     self.lazy.new.add(f"{step.target}.bias")
                 edits.setdefault(step.target, []).append(("fold", b))
             elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
-                lam = next(model.get_submodule(step.target).parameters())
+                lam = scale_parameter(model, step.target)
                 edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
                 lam.fill_(1.0)
             elif step.norm == "input":
@@ -129,7 +129,7 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                     elif op == "scale":
                         scale_outputs(module, arg)
                     else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
-                        centre_outputs(model, arg.target, arg.group)
+                        centre_outputs(model, arg.target, arg.group, arg.ranges, arg.axis)
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:

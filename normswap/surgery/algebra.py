@@ -46,9 +46,21 @@ def centred(t: torch.Tensor, dim: int, group: int, ranges: tuple = ()) -> torch.
 
 
 def _centre_in_place(t: torch.Tensor, dim: int, group: int, ranges: tuple) -> None:
-    """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`)."""
+    """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`), a stacked one
+    (experts, dim > 0) one 2-D slice after another."""
+    if t.dim() > 2 and dim > 0:
+        for part in t:
+            _centre_in_place(part, dim - 1, group, ranges)
+        return
     for part in (_slices(t, 1 - dim) if t.dim() == 2 else [t]):
         _update(part, centred(part, dim, group, ranges))
+
+
+def centred_copy(t: torch.Tensor, dim: int, group: int, ranges: tuple = ()) -> torch.Tensor:
+    """A copy of t (same dtype) centred as `centre_outputs` would, computed a slice at a time."""
+    out = t.detach().clone()
+    _centre_in_place(out, dim, group, ranges)
+    return out
 
 
 def output_dim(layer: nn.Module) -> int:
@@ -56,12 +68,12 @@ def output_dim(layer: nn.Module) -> int:
     return 1 if isinstance(layer, nn.Embedding) or is_conv1d(layer) else 0
 
 
-def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = ()) -> None:
-    """Make every output of layer `target` (or of "param:<name>", a parameter added to the stream) zero-mean
-    per group of `group` channels (or over each of `ranges`)."""
+def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = (), axis: int = -1) -> None:
+    """Make every output of layer `target` (or of "param:<name>", a parameter whose dim `axis` holds output
+    channels) zero-mean per group of `group` channels (or over each of `ranges`)."""
     if target.startswith("param:"):
         param = model.get_parameter(target[6:])
-        _centre_in_place(param, param.dim() - 1, group, ranges)
+        _centre_in_place(param, param.dim() + axis, group, ranges)
         return
     layer = model.get_submodule(target)
     _centre_in_place(layer.weight, output_dim(layer), group, ranges)

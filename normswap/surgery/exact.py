@@ -243,7 +243,7 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResu
     inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
-            centre_outputs(model, step.target, step.group, step.ranges)
+            centre_outputs(model, step.target, step.group, step.ranges, step.axis)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if fold_bias(model.get_submodule(step.target), b) else []

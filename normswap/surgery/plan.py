@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from normswap.models.introspect import is_linear
-from normswap.surgery.trace import Trace
+from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
 
 
@@ -48,6 +48,7 @@ class Step:
     norm: str = ""         # fold/fix: the norm whose bias moves; scale: the layer the scale folds into
     centre: bool = False   # fix: centre the output too
     ranges: tuple = ()     # centre: ((start, stop), ...) centred one by one, the other channels kept
+    axis: int = -1         # centre of a "param:": the dim that holds its output channels
 
 
 @dataclass
@@ -84,39 +85,63 @@ def _covered(ranges) -> set[int]:
     return {c for a, b in ranges for c in range(a, b)}
 
 
+def nested(user: str) -> str | None:
+    """The name of a returned tensor that is part of a sub-model's output or a tuple (`hidden_states.2`,
+    `vision_model_output.last_hidden_state`): the centred stream there is listed as not kept, not refused."""
+    name = user[len("the model output `"):-1] if user.startswith("the model output `") else ""
+    return name if "." in name else None
+
+
 def _conflict(t: Trace, label: str, ranges) -> str | None:
-    """A reader other than a norm of the channels of `label` that are centred."""
+    """A reader other than a norm of the channels of `label` that are centred (nested outputs aside)."""
     centred = None
     for user, channels in sorted(t.uses.get(label, {}).items()):
+        if nested(user):
+            continue
         if channels is None or (centred := centred if centred is not None else _covered(ranges)) & channels:
             return user
     return None
 
 
-def _post_ln(t: Trace, name: str, fed: str) -> str | None:
-    """Why the norm `name`, whose output is part of the input of the norm `fed`, cannot be exact."""
+def _mixed(t: Trace, user: str, what: str) -> str | None:
+    """The reason when `user` read the stream only because it mixed it with an opaque value."""
+    cause = t.poison.get(user)
+    return None if cause is None else (f"the stream that {what} is mixed ({user}) with a value that went through "
+                                       f"{cause}, which no weight edit centres")
+
+
+def _post_ln(t: Trace, name: str, fed: str, many: bool = True) -> str | None:
+    """Why the norm `name`, whose output is part of the input of the norm `fed`, cannot be exact; `many`: more
+    than one norm is placed so (a post-LN model)."""
     label = "norm:" + name
-    users = t.readers.get(name, []) + sorted(t.uses.get(label, ()))
+    users = [u for u in t.readers.get(name, []) + sorted(t.uses.get(label, ())) if not nested(u)]
     if not users:
         return None
     if fed == name:
         return (f"{name} is applied again to its own output (a norm of a norm's output, whose mean depends on the "
                 f"input), and its first output is also read by {users[0]}, so it cannot be centred")
-    if users == ["the model output"]:
-        return (f"the model output is the unnormalised residual stream (written by {name}); only outputs "
-                "read through a final norm can be kept exact")
-    return (f"{name} is post-LN: its output is added to the residual stream and also read by {users[0]}, "
-            "so the stream carries a mean that depends on the input")
+    if (why := _mixed(t, users[0], f"{name} writes")) is not None:
+        return why
+    if all(u.startswith("the model output") for u in users):
+        return (f"{users[0]} is the unnormalised residual stream (written by {name}); only outputs read through "
+                "a final norm can be kept exact")
+    if many:
+        return (f"{name} is post-LN: its output is added to the residual stream and also read by {users[0]}, "
+                "so the stream carries a mean that depends on the input")
+    return (f"{name}'s output is added to the residual stream and also read directly by {users[0]} (no norm of its "
+            "own in between), so the stream carries a mean that depends on the input")
 
 
-def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges) -> str | None:
+def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges, many: bool) -> str | None:
     kind, _, name = label.partition(":")
     if kind == "norm":
-        return _post_ln(t, name, norm)
+        return _post_ln(t, name, norm, many)
     if (user := _conflict(t, label, ranges)) is not None:
-        if user == "the model output":
-            return (f"the model output is the unnormalised residual stream (written by {name}); only outputs "
-                    "read through a final norm can be kept exact")
+        if (why := _mixed(t, user, f"{name} writes into the input of {norm}")) is not None:
+            return why
+        if user.startswith("the model output"):
+            return (f"{user} is the unnormalised residual stream (written by {name}); only outputs read through "
+                    "a final norm can be kept exact")
         return f"{name} writes the input of {norm} but its output is also read unnormalised by {user}"
     if label in t.scales:   # folded into the one layer it scales, which is then centred
         inner = {lb for f in t.scales[label] for lb in f.labels}
@@ -124,11 +149,12 @@ def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges) ->
         param = "param:" + name if kind == "scale" else None
         if not one.startswith("layer:") or t.uses.get(one) or t.fed_norms.get(one) or \
                 centrable(model.get_submodule(one[6:])) or param and (t.uses.get(param) or t.fed_norms.get(param)):
-            return (f"{name} scales something other than one layer's output (or is used elsewhere), so it cannot "
-                    "be folded and centred")
+            return (f"{name} scales the input of {norm} but scales something other than one layer's output (or is "
+                    "used elsewhere), so it cannot be folded into a layer and centred")
         return None
     if kind == "layer" and (why := centrable(model.get_submodule(name))):
-        return f"{name} ({type(model.get_submodule(name)).__name__}) writes the input of {norm} and cannot be centred: {why}"
+        kind = type(model.get_submodule(name)).__name__
+        return f"{name} ({kind}) writes the input of {norm} and cannot be centred: {why}"
     return None
 
 
@@ -148,6 +174,8 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     """The plan for converting `sites` exactly, from the trace `t` of `model`."""
     norms: dict[str, NormPlan] = {}
     needs: dict[str, dict[tuple, str]] = {}   # label -> channel range -> a norm that needs it centred
+    many = sum(bool(t.fed_norms.get("norm:" + s.name)) and bool(t.readers.get(s.name) or t.uses.get("norm:" + s.name))
+               for s in sites) > 1
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)
@@ -164,18 +192,21 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
         for label, ranges in sources.items():
             for r in ranges:
                 needs.setdefault(label, {}).setdefault(r, s.name)
-        p.reason = p.reason or next((r for r in (_source_reason(model, t, s.name, lb, sources[lb])
+        p.reason = p.reason or next((r for r in (_source_reason(model, t, s.name, lb, sources[lb], many)
                                                  for lb in p.sources) if r), None)
         if t.fed_norms.get("norm:" + s.name):
             p.reason = p.reason or next((r for fed in sorted(t.fed_norms["norm:" + s.name])
-                                         if (r := _post_ln(t, s.name, fed))), None)
+                                         if (r := _post_ln(t, s.name, fed, many))), None)
         p.bias = _bias_fate(model, t, s, p.readers)
     groups = {label: _grouping(t, label, needs[label], norms) for label in needs}
     reasons = _unrun(model, t, sites, needs)
+    not_kept = {name: "the residual stream, returned centred (each row minus its mean)"
+                for label in needs if not label.startswith("norm:") for user in t.uses.get(label, {})
+                if (name := nested(user))}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
     uncalled = [s.target for s in steps if s.op == "centre" and not s.target.startswith("param:")
                 and s.target not in t.called]
-    return Plan(norms, steps, reasons, dict(t.not_kept), uncalled)
+    return Plan(norms, steps, reasons, dict(sorted(not_kept.items())), uncalled)
 
 
 def _grouping(t: Trace, label: str, ranges: dict[tuple, str], norms: dict[str, NormPlan]) -> tuple[int, tuple]:
@@ -243,7 +274,11 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                 target = "param:" + name if kind == "scale" else name
                 steps += [Step("scale", target, norm=inner), Step("centre", inner, group=group, ranges=ranges)]
                 continue
-            steps.append(Step("centre", label if kind == "param" else name, group=group, ranges=ranges))
+            if kind == "param":   # "param:<name>#-2": F.linear's weight, whose rows are the channels
+                param, _, axis = label.partition("#")
+                steps.append(Step("centre", param, group=group, ranges=ranges, axis=int(axis or -1)))
+                continue
+            steps.append(Step("centre", name, group=group, ranges=ranges))
     for p in norms.values():
         if p.bias == "fold":
             steps += [Step("fold", r, norm=p.name) for r in p.readers]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from normswap import ops
-from normswap.surgery.algebra import bias_shift, centred, output_dim, scale_parameter
+from normswap.surgery.algebra import bias_shift, centred, centred_copy, output_dim, scale_parameter
 from normswap.surgery.centring import centre_input, fixed
 from normswap.surgery.plan import Plan, Step
 from normswap.surgery.walk import NormSite
@@ -116,9 +116,9 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
 def _centre_by_value(model: nn.Module, step: Step, swaps: _Swaps) -> None:
     if step.target.startswith("param:"):
         param = model.get_parameter(step.target[6:])
-        swaps.put(param, centred(param, param.dim() - 1, step.group, step.ranges))
+        swaps.put(param, centred_copy(param, param.dim() + step.axis, step.group, step.ranges))
         return
     layer = model.get_submodule(step.target)
-    swaps.put(layer.weight, centred(layer.weight, output_dim(layer), step.group, step.ranges))
+    swaps.put(layer.weight, centred_copy(layer.weight, output_dim(layer), step.group, step.ranges))
     if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
-        swaps.put(layer.bias, centred(layer.bias, 0, step.group, step.ranges))
+        swaps.put(layer.bias, centred_copy(layer.bias, 0, step.group, step.ranges))

@@ -20,11 +20,10 @@ Anything else is opaque: its output carries no zero-mean promise (`opaque` names
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-SHIFT = 40   # codes: (part + 1) << SHIFT | row * width + channel; 0: a zero element
+from normswap.surgery.flow import ZERO, Flow, canonical, codes_of
+
 IDENTITY = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "detach", "contiguous", "clone",
             "requires_grad_", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
             "feature_alpha_dropout", "__get__"}
@@ -45,76 +44,6 @@ MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "mm"}
 ACCUMULATE = {"index_add", "index_add_", "scatter_add", "scatter_add_"}
 ZEROS = {"zeros", "zeros_like", "new_zeros"}
 CLAMP = {"clamp", "clip", "clamp_", "clip_"}
-
-
-@dataclass(eq=False, frozen=True)
-class Flow:
-    labels: frozenset
-    opaque: str | None = None              # why the tensor is no longer a pure combination
-    hd: int | None = -1                    # intact: the hidden dim, as a negative index
-    codes: torch.Tensor | None = None      # mapped: per element, see SHIFT
-    parts: tuple = ()                      # mapped: (labels, width) per part
-    plain: bool = True                     # elements moved only (a norm's bias still passes unchanged)
-
-    @property
-    def pure(self) -> bool:
-        return self.opaque is None
-
-    @property
-    def zero(self) -> bool:
-        return self.pure and not self.labels
-
-
-ZERO = Flow(frozenset(), plain=False)
-
-
-def opaque(labels: frozenset, why: str) -> Flow:
-    return Flow(labels, why, None)
-
-
-def codes_of(x: torch.Tensor, f: Flow, first: int) -> tuple[torch.Tensor, list]:
-    """Integer codes of x's elements under flow f, its parts numbered from `first`; (codes, parts)."""
-    if f.zero:
-        return torch.zeros(x.shape, dtype=torch.long, device=x.device), []
-    if f.codes is not None:
-        c = f.codes.to(x.device)
-        return torch.where(c != 0, c + (first << SHIFT), c), list(f.parts)
-    hp = x.dim() + f.hd
-    moved = [s for i, s in enumerate(x.shape) if i != hp] + [x.shape[hp]]
-    base = torch.arange(x.numel(), device=x.device).view(moved).movedim(-1, hp)
-    return base + ((first + 1) << SHIFT), [(f.labels, x.shape[hp])]
-
-
-def decode(codes: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(part, row, channel) per element (part -1 where the element is zero)."""
-    part = (codes >> SHIFT) - 1
-    widths = torch.tensor([w for _, w in parts] or [1], device=codes.device)
-    w = widths[part.clamp(min=0)]
-    rem = codes & ((1 << SHIFT) - 1)
-    return part, rem // w, rem % w
-
-
-def canonical(codes: torch.Tensor, parts, plain: bool) -> Flow:
-    """The flow of a rearranged tensor whose elements have `codes`: intact where a dim holds whole rows."""
-    nz = codes != 0
-    if not bool(nz.any()):
-        return ZERO
-    part, _, chan = decode(codes, parts)
-    present = sorted(set(part[nz].tolist()))
-    labels = frozenset().union(*(parts[p][0] for p in present))
-    plain = plain and bool(nz.all())
-    widths = {parts[p][1] for p in present}
-    if len(widths) == 1 and codes.dim():
-        w = widths.pop()
-        key = torch.where(nz, codes - chan, 0)   # (part, row): constant along a dim holding whole rows
-        for j in range(codes.dim() - 1, -1, -1):
-            if codes.shape[j] != w:
-                continue
-            pos = torch.arange(w, device=codes.device).view([w if d == j else 1 for d in range(codes.dim())])
-            if bool(((chan == pos) | ~nz).all()) and bool((key == key.narrow(j, 0, 1)).all()) \
-                    and bool((nz == nz.narrow(j, 0, 1)).all()):
-                return Flow(labels, hd=j - codes.dim(), plain=plain)
-    return Flow(labels, hd=None, codes=codes, parts=tuple(parts), plain=plain)
 
 
 def _substitute(obj, table: dict[int, torch.Tensor]):
@@ -260,7 +189,8 @@ def combined(ins: list, out: torch.Tensor) -> Flow | str:
     first, f0 = live[0]
     c0 = codes_of(first, f0, 0)[0].expand(out.shape)
     for x, f in live[1:]:
-        if f.codes is None or len(f.parts) != len(f0.parts) or not torch.equal(codes_of(x, f, 0)[0].expand(out.shape), c0):
+        same = f.codes is not None and len(f.parts) == len(f0.parts)
+        if not same or not torch.equal(codes_of(x, f, 0)[0].expand(out.shape), c0):
             return "a sum of differently laid out values"
     parts = tuple((frozenset().union(*(f.parts[i][0] for _, f in live)), w) for i, (_, w) in enumerate(f0.parts))
     return Flow(labels, hd=None, codes=c0, parts=parts, plain=False)

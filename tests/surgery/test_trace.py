@@ -9,7 +9,6 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap import parity
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact, find_norms
@@ -81,16 +80,6 @@ def _build(name: str):
     make, inputs = MODELS[name]
     torch.manual_seed(0)
     return perturb(make()).eval(), inputs
-
-
-@pytest.fixture
-def feed(monkeypatch):
-    """Make the trace and the verification use the given inputs (sample_inputs knows token ids and pixels
-    only; CLIP needs both)."""
-    def use(inputs):
-        for mod in (parity, exact):
-            monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: _listed(inputs))
-    return use
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

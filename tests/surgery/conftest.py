@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import pytest
+
+from normswap import parity
+from normswap.surgery import exact
+
+
+@pytest.fixture
+def feed(monkeypatch):
+    """Make the trace and the verification use the given inputs (a dict, or a list of dicts) instead of
+    `sample_inputs`."""
+    def use(inputs):
+        listed = inputs if isinstance(inputs, list) else [inputs]
+        for mod in (parity, exact):
+            monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: listed)
+        return listed
+    return use
