@@ -66,7 +66,7 @@ class Deferred:
     """The exact method's steps (`surgery.methods.ExactSteps`) on a lazy model: planned by one traced forward
     that reads each module's weights just before it runs; applied by recording each layer's edits."""
 
-    def __init__(self, lazy: Lazy, inputs: dict):
+    def __init__(self, lazy: Lazy, inputs: list[dict]):
         self.lazy, self.inputs = lazy, inputs
 
     def plan(self, model: nn.Module, sites) -> Plan:
@@ -206,7 +206,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     check_folder(model, lazy, src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
-    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)[0]))
+    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
     if not report.converted:
         return report, None
     edits = result.edits if isinstance(result, DeferredResult) else {}

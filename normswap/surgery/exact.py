@@ -2,14 +2,19 @@
 
 Why it is exact. LN(x) = g*(x - mean x)/sqrt(var x + eps) + b. If every term summed into a norm's input
 has zero mean over the normalised dim, the input has mean 0, so var x = mean(x^2) and
-LN(x) = RMSNorm_g(x) + b with the same eps. What to edit is discovered, not declared: one traced forward
-(`trace`) finds each norm's sources and readers and `plan.derive` turns them into steps:
-1. centre the sources along their output dim (per group of the norm's width, so per head for q/k norms):
-   Linear (out, in) along dim 0, Conv1D (in, out) along dim 1, untied Embedding rows, ConvNd output
-   channels, parameters added to the stream along their last dim, biases included;
+LN(x) = RMSNorm_g(x) + b with the same eps. Centring a source changes the norm's input by a constant along
+each of its rows, which LN ignores: so each row must hold whole centred groups of every source (not a
+concatenation of parts centred apart). What to edit is discovered, not declared: forwards on every sample
+input, traced and merged (`trace`), find each norm's sources and readers, and `plan.derive` turns them into
+steps:
+1. centre the sources along their output dim (per group of channels each norm row covers: per head for
+   q/k norms, only the q and k slices of a fused q/k/v projection): Linear (out, in) along dim 0, Conv1D
+   (in, out) along dim 1, untied Embedding rows, ConvNd output channels (not grouped ones), parameters
+   added to the stream along their last dim (or the dim a product makes channels: stacked expert
+   weights), biases included; a per-channel scale (LayerScale, `lambda * x`) folded into its layer first;
 2. fold each norm bias into the layers reading that norm, c' = c + W b, creating a zero bias where there
-   is none (listed in added_biases); where a reader is not linear (or the norm's output is the model's)
-   the bias is kept after the norm as an output fix instead.
+   is none (listed in added_biases); where a reader is not linear, also reads something else, or the
+   norm's output is returned, the bias is kept after the norm as an output fix instead.
 Arithmetic in float64, results stored in the model's dtype.
 
 Tied embeddings. If lm_head.weight is E, centring E's rows changes the logits by -m_v * sum(y_t)
@@ -23,20 +28,22 @@ A norm whose output is summed into the stream but read by nothing else (BLOOM's 
 pre_layrnorm) is a stream writer: its output is centred and its centred bias kept after it. A norm whose
 output is summed into the stream *and* read by a layer or the output is post-LN: the stream carries
 g*x_hat + b, whose mean depends on the input, so no exact form exists and the model is refused, naming
-the norm. So is a model whose output (or any layer) reads the unnormalised stream.
+the norm. So is a model whose own output (or any layer) reads the unnormalised stream, and one with a
+parameter wide enough to write the stream that no sample input ran (`plan`).
 
-What changes: hidden states inside the model are the centred originals; the model's main output is
-unchanged.
+What changes: hidden states inside the model are the centred originals (`not_preserved` lists them, and
+a sub-model's returned stream); every other returned output is unchanged.
 
-Verification: no copy of the model is made. Before any weight is edited, the model's main outputs on
+Verification: no copy of the model is made. Before any weight is edited, the model's outputs on
 sample inputs are recorded in fp32 (`parity.reference_outputs`); a source whose outputs are NaN/inf is
-refused then, untouched. Once `convert` has swapped the norms, the converted model runs on the same
-inputs and a max relative error above TOLERANCE, or any non-finite output, raises NormswapError:
-1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in place for both runs and cast back (a
-lossless round trip; peak memory is then the fp32 model), and since their rewritten weights are rounded
-when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 / 2e-2.
-When verification fails the in-memory model stays converted (centred, biases folded, norms swapped,
-config.normswap filled): discard it or reload; the CLI saves only after success.
+refused then, untouched. Then the plan is *rehearsed* as forward hooks on the unedited model (`rehearse`):
+above 1e-4 the plan is refused (`auto`: naive, the model untouched). Once the edits are made and the norms
+swapped, the converted model runs on the same inputs and a max relative error above TOLERANCE, or any
+non-finite output, raises VerificationFailed: 1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in
+place for both runs and cast back (a lossless round trip; peak memory is then the fp32 model), and since
+their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 /
+2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
+CLI then converts the source again, naively, under `auto`).
 """
 from __future__ import annotations
 
@@ -73,6 +80,12 @@ class VerificationFailed(NormswapError):
 
 def _line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0]   # errors reach the CLI as one line
+
+
+def fell_back(reason: Exception | str) -> str:
+    """The warning of `auto` when it converts naively instead."""
+    return (f"no exact conversion: {reason}; fell back to naive, which drops LayerNorm biases and changes "
+            "outputs: measure the change and heal (fine-tune)")
 
 
 def _refused(sites: list[NormSite], reason: str) -> Plan:
@@ -126,8 +139,7 @@ def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: E
             raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
                                 "heal by fine-tuning) or `method='auto'`") from None
         result = naive(model, sites)
-        result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
-                               "and changes outputs: measure the change and heal (fine-tune)")
+        result.warnings.append(fell_back(e))
         return result
     result.not_preserved = not_preserved(model, p)
     return result

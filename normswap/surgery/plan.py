@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from normswap.models.introspect import is_linear
+from normswap.surgery.reach import dead, read_names
 from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
 
@@ -88,7 +89,7 @@ def _covered(ranges) -> set[int]:
 def nested(user: str) -> str | None:
     """The name of a returned tensor that is part of a sub-model's output or a tuple (`hidden_states.2`,
     `vision_model_output.last_hidden_state`): the centred stream there is listed as not kept, not refused."""
-    name = user[len("the model output `"):-1] if user.startswith("the model output `") else ""
+    name = user[len("the model output '"):-1] if user.startswith("the model output '") else ""
     return name if "." in name else None
 
 
@@ -199,6 +200,11 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                                          if (r := _post_ln(t, s.name, fed, many))), None)
         p.bias = _bias_fate(model, t, s, p.readers)
     groups = {label: _grouping(t, label, needs[label], norms) for label in needs}
+    for label, (group, ranges) in groups.items():   # output and input fixes centre whole rows only
+        if _fixed(model, label) and (ranges or group != t.widths.get(label, group)):
+            p = norms[next(iter(needs[label].values()))]
+            p.reason = p.reason or (f"{label.partition(':')[2]} is normalised in groups of channels, which its "
+                                    "output (or input) centring cannot do")
     reasons = _unrun(model, t, sites, needs)
     not_kept = {name: "the residual stream, returned centred (each row minus its mean)"
                 for label in needs if not label.startswith("norm:") for user in t.uses.get(label, {})
@@ -224,15 +230,28 @@ def _grouping(t: Trace, label: str, ranges: dict[tuple, str], norms: dict[str, N
     return 0, tuple(spans)
 
 
+def _fixed(model: nn.Module, label: str) -> bool:
+    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding."""
+    kind, _, name = label.partition(":")
+    if kind in ("norm", "entry"):
+        return True
+    layer = model.get_submodule(name) if kind == "layer" else None
+    return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre"))
+
+
 def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[str]:
-    """Parameters that never ran and are as wide as a normalised stream: the trace cannot tell what they
-    write (a path only some inputs take: image tokens, masked positions)."""
+    """Parameters that never ran, are as wide as a normalised stream, and that the model's code reads
+    (`reach`): the trace cannot tell what they write (a path only some inputs take: image tokens, masked
+    positions)."""
     widths = {t.widths[label] for label in needs if label in t.widths}
     skip = {s.name for s in sites}
     found: list[str] = []
-    for name, param in model.named_parameters():
+    unrun = [(name, param) for name, param in model.named_parameters()
+             if name not in t.ran and name.rpartition(".")[0] not in skip and widths & set(param.shape)]
+    names = read_names(model) if unrun else None
+    for name, _ in unrun:
         owner = name.rpartition(".")[0]
-        if name in t.ran or owner in skip or not widths & set(param.shape):
+        if dead(model, name, names):   # no code reads it: weights kept only for the checkpoint
             continue
         module = model.get_submodule(owner)
         what = f"{owner} ({type(module).__name__})" if next(module.children(), None) is None and \
@@ -241,9 +260,10 @@ def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> li
             found.append(what)
     if not found:
         return []
-    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-    return [f"{found[0]}{more} did not run on the sample inputs, so the trace cannot tell whether it writes into "
-            "a normalised stream (a path only some inputs take: pass inputs that run it, or use naive)"]
+    more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+    return [f"{', '.join(found[:3])}{more} did not run on the sample inputs, so the trace cannot tell whether "
+            "it writes into a normalised stream (a path only some inputs take: pass inputs that run it, or use "
+            "naive)"]
 
 
 def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[str],
@@ -265,7 +285,7 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                     steps.append(Step("fix", name, centre=True, norm="input"))
                 continue
             layer = model.get_submodule(name) if kind == "layer" else None
-            if isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre")):
+            if _fixed(model, label):
                 if not hasattr(layer, "normswap_centre"):   # centred at lookup already (earlier pass)
                     steps.append(Step("fix", name, centre=True))
                 continue

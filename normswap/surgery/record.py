@@ -369,12 +369,16 @@ class Recorder(TorchFunctionMode):
     def outputs(self, out) -> None:
         """Every floating tensor returned is read by "the model output" (the main one) or "the model output
         `<name>`" (see `plan`: what it means for a norm's bias and for the centred stream)."""
-        main = out if isinstance(out, torch.Tensor) else main_output(out)[1]
-        for name, t in named_outputs(out):
+        named = named_outputs(out)
+        try:
+            main = out if isinstance(out, torch.Tensor) else main_output(out)[1]
+        except (KeyError, IndexError, TypeError):   # an output parity does not know: its first tensor
+            main = named[0][1] if named else None
+        for name, t in named:
             if not t.is_floating_point():
                 continue
             self.read(t)
             flow = self.get(t)
             if flow is None or not flow.pure or flow.zero:
                 continue
-            self.use(t, flow, "the model output" if t is main else f"the model output `{name}`")
+            self.use(t, flow, "the model output" if t is main else f"the model output '{name}'")

@@ -1,9 +1,9 @@
 """Record a model's dataflow over forward passes on sample inputs: what each norm reads, who reads each
 layer's output, which parameters ran.
 
-Every followed tensor has a `rules.Flow`: the labels it is a linear combination of ("layer:<name>" for a
-known layer's output, "norm:<name>" for a norm's output, "param:<name>" for a parameter used directly,
-"scale:<param>" for a stream scaled by a per-channel parameter, "entry:<block>" for an opaque value
+Every followed (floating) tensor has a `flow.Flow`: the labels it is a linear combination of ("layer:<name>"
+for a known layer's output, "norm:<name>" for a norm's output, "param:<name>" for a parameter used directly,
+"scale:<param>" for a layer output scaled by a per-channel parameter, "entry:<block>" for an opaque value
 entering a block) and where their channels are; `rules` says which operations keep it pure. The first
 opaque operation on a pure tensor is a *use* of its labels (with the channels it read). A known leaf
 module reading a pure tensor is a use too, except a norm (it removes the mean), a per-channel scale
@@ -14,10 +14,10 @@ A slice of the hidden dim that reaches a leaf is a use only once its values are 
 Known leaves (Linear, GPT-2 Conv1D, Embedding, ConvNd, norms, LayerScale) are hooked and their inner
 calls hidden; every other module is traced through, so parameters used by hand (a mixture of experts'
 stacked weights, nn.MultiheadAttention's projections) are followed too. Every floating tensor the forward
-returns is read by "the model output": a norm output returned keeps its bias after the norm; the returned
-stream (not the main output) is listed as not preserved. Tracing every sample input and merging covers
-norms called more than once and paths only some inputs take. Cost: one forward per input; tensors are
-kept alive (so their ids stay unique) only for that forward.
+returns is read by "the model output" (`plan` decides what that means). Tracing every sample input and
+merging covers norms called more than once and paths only some inputs take; parameters that still did not
+run get one training-mode forward (SpecAugment's masked embedding), and the rest are reported by `plan`.
+Cost: one forward per input; tensors are kept alive (so their ids stay unique) only for that forward.
 """
 from __future__ import annotations
 
@@ -60,7 +60,14 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
     try:
         model.eval()
         for x in inputs:
-            _forward(rec, model, x)
+            try:
+                _forward(rec, model, x)
+            except Exception:   # a head that takes one row at a time (GPT-2 classifier, no pad token)
+                rows = _rows(x)
+                if rows is None:
+                    raise
+                for row in rows:
+                    _forward(rec, model, row)
         if inputs and any(n not in rec.trace.ran for n, _ in model.named_parameters()):
             _training_forward(rec, model, inputs[0])
     finally:
@@ -70,6 +77,15 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
         rec.flows.clear()
         rec.pending.clear()
     return rec.trace
+
+
+def _rows(batch: dict) -> list[dict] | None:
+    """A batch of several rows as one-row batches (as verification runs it); None if it is one row."""
+    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
+    if len(sizes) != 1 or (n := sizes.pop()) < 2:
+        return None
+    return [{k: v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in batch.items()}
+            for i in range(n)]
 
 
 def _forward(rec: Recorder, model: nn.Module, x: dict) -> None:
