@@ -65,16 +65,17 @@ def decode(codes: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def canonical(codes: torch.Tensor, parts, plain: bool) -> Flow:
     """The flow of a rearranged tensor whose elements have `codes`: intact where a dim holds whole rows."""
-    nz = codes != 0
-    if not bool(nz.any()):
+    tags = (codes >> SHIFT).unique().tolist()   # part + 1; 0 where an element is zero
+    present = [p - 1 for p in tags if p]
+    if not present:
         return ZERO
-    part, _, chan = decode(codes, parts)
-    present = sorted(set(part[nz].tolist()))
     labels = frozenset().union(*(parts[p][0] for p in present))
-    plain = plain and bool(nz.all())
+    plain = plain and 0 not in tags
     widths = {parts[p][1] for p in present}
-    if len(widths) == 1 and codes.dim():
-        w = widths.pop()
+    w = next(iter(widths))
+    if len(widths) == 1 and w in codes.shape:
+        nz = codes != 0
+        _, _, chan = decode(codes, parts)
         key = torch.where(nz, codes - chan, 0)   # (part, row): constant along a dim holding whole rows
         for j in range(codes.dim() - 1, -1, -1):
             if codes.shape[j] != w:
@@ -84,7 +85,6 @@ def canonical(codes: torch.Tensor, parts, plain: bool) -> Flow:
                     and bool((nz == nz.narrow(j, 0, 1)).all()):
                 return Flow(labels, hd=j - codes.dim(), plain=plain)
     return Flow(labels, hd=None, codes=codes, parts=tuple(parts), plain=plain)
-
 
 
 @dataclass

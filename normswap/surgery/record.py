@@ -89,6 +89,7 @@ class Recorder(TorchFunctionMode):
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending: dict[int, tuple[torch.Tensor, Flow, str]] = {}   # slices not read yet
+        self.deferred: list[tuple[str, Flow]] = []                       # uses of rearranged tensors
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
@@ -108,20 +109,31 @@ class Recorder(TorchFunctionMode):
         return f" in {self.stack[-1]}" if self.stack and self.stack[-1] else ""
 
     def use(self, x: torch.Tensor | None, flow: Flow, user: str) -> None:
-        """`user` reads the values of x (flow `flow`): record which channels of which labels."""
+        """`user` reads the values of x (flow `flow`): record which labels, all channels; for a rearranged
+        tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
         if not flow.pure or flow.zero:
             return
-        per_label: dict[str, object] = {label: None for label in flow.labels}
         if flow.codes is not None:
-            part, _, chan = decode(flow.codes, flow.parts)
-            for p, (labels, _) in enumerate(flow.parts):
+            self.deferred.append((user, flow))
+        for label in flow.labels:
+            self.trace.uses[label].setdefault(user, None if flow.codes is None else frozenset())
+            if flow.codes is None:
+                self.trace.uses[label][user] = None
+
+    def finish(self) -> None:
+        """The channels read by the deferred uses, for labels some norm reads (the rest: present, all)."""
+        sources = {label for calls in self.trace.calls.values() for call in calls for label in call.sources}
+        for user, flow in self.deferred:
+            wanted = [(p, labels & sources) for p, (labels, _) in enumerate(flow.parts) if labels & sources]
+            part, _, chan = decode(flow.codes, flow.parts) if wanted else (None, None, None)
+            for p, labels in wanted:
                 seen = frozenset(chan[part == p].unique().tolist())
                 for label in labels:
-                    old = per_label.get(label)
-                    per_label[label] = seen if old is None else old | seen
-        for label, channels in per_label.items():
-            held = self.trace.uses[label].get(user, frozenset())
-            self.trace.uses[label][user] = None if channels is None or held is None else held | channels
+                    held = self.trace.uses[label].get(user)
+                    self.trace.uses[label][user] = None if held is None else held | seen
+            for label in flow.labels - sources:
+                self.trace.uses[label][user] = None
+        self.deferred.clear()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

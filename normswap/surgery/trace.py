@@ -70,6 +70,7 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
                     _forward(rec, model, row)
         if inputs and any(n not in rec.trace.ran for n, _ in model.named_parameters()):
             _training_forward(rec, model, inputs[0])
+        rec.finish()
     finally:
         model.train(training)
         for h in handles:
