@@ -166,7 +166,7 @@ class Recorder(TorchFunctionMode):
         inplace = name == "__setitem__" or name.endswith("_") and not name.endswith("__")
         if inplace and ins and ins[0] is args[0]:
             outs = [args[0]]
-        if name == MHA and outs:   # nn.MultiheadAttention: its output is out_proj's (see `_mha_output`)
+        if name == MHA and outs:   # nn.MultiheadAttention: its output is its out_proj's
             self._mha(args, kwargs, tracked, outs)
             return
         if not outs or not tracked:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_linear
+from normswap.parity import batch_rows
+from normswap.surgery.flow import NormInput
 from normswap.surgery.record import IGNORE, Recorder, Trace, is_scale, tensors_in
 
 __all__ = ["IGNORE", "Trace", "hooked", "tensors_in", "trace"]
@@ -43,50 +45,76 @@ def hooked(module: nn.Module, name: str, norms: set[str]) -> bool:
 def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
     """Run `model(**x)` for every x in `inputs`, in eval mode, and record the merged dataflow; `norms` are
     the norm modules. If some parameters never ran, one more forward in training mode (RNG state and
-    buffers restored after it) shows the paths only training takes (SpecAugment's masked embedding), so
-    that they are centred too rather than left unknown."""
-    rec = Recorder(model, norms)
+    buffers restored after it) shows the paths only training takes (SpecAugment's masked embedding): what
+    it shows of those parameters is added, so that they are centred too rather than left unknown (nothing
+    else from it: training-only operations do not make an exact eval model inexact)."""
+    active = [Recorder(model, norms)]
     handles = []
     for name, module in model.named_modules():
         if hooked(module, name, norms):
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name: rec.pre(n, m, a, k), with_kwargs=True))
-            handles.append(module.register_forward_hook(lambda m, a, o, n=name: rec.post(n, m, o)))
+                lambda m, a, k, n=name: active[0].pre(n, m, a, k), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda m, a, o, n=name: active[0].post(n, m, o)))
         elif next(module.children(), None) is not None:
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name: rec.entry(n, a, k), with_kwargs=True))
-            handles.append(module.register_forward_hook(lambda m, a, o: rec.leave()))
+                lambda m, a, k, n=name: active[0].entry(n, a, k), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda m, a, o: active[0].leave()))
     training = model.training
+    rec = active[0]
     try:
         model.eval()
         for x in inputs:
             try:
                 _forward(rec, model, x)
             except Exception:   # a head that takes one row at a time (GPT-2 classifier, no pad token)
-                rows = _rows(x)
+                rows = batch_rows(x)
                 if rows is None:
                     raise
                 for row in rows:
                     _forward(rec, model, row)
-        if inputs and any(n not in rec.trace.ran for n, _ in model.named_parameters()):
-            _training_forward(rec, model, inputs[0])
         rec.finish()
+        unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
+        if inputs and unrun:
+            active[0] = Recorder(model, norms)
+            _training_forward(active[0], model, inputs[0])
+            active[0].finish()
+            adopt(rec.trace, active[0].trace, unrun)
     finally:
         model.train(training)
         for h in handles:
             h.remove()
-        rec.flows.clear()
-        rec.pending.clear()
     return rec.trace
 
 
-def _rows(batch: dict) -> list[dict] | None:
-    """A batch of several rows as one-row batches (as verification runs it); None if it is one row."""
-    sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
-    if len(sizes) != 1 or (n := sizes.pop()) < 2:
-        return None
-    return [{k: v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in batch.items()}
-            for i in range(n)]
+def adopt(t: Trace, seen: Trace, unrun: set[str]) -> None:
+    """Add to `t` what `seen` (a training-mode trace) shows of labels made only of parameters `t` never ran:
+    the norm inputs they are part of, their uses and widths; those parameters then count as run, unless a
+    norm input they are part of went through an operation that made it opaque (their role stays unknown).
+    Nothing else from `seen` is taken: a training-only operation does not make an exact eval model inexact."""
+    new = seen.ran & unrun
+
+    def params(label: str) -> set[str]:
+        kind, _, name = label.partition(":")
+        if kind == "param":
+            return {name.partition("#")[0]}
+        return {p for p in seen.ran if p.rpartition(".")[0] == name} if kind == "layer" else set()
+    labels = {lb for lb in {*seen.uses, *(x for calls in seen.calls.values() for c in calls for x in c.sources)}
+              if params(lb) and params(lb) <= new}
+    unclear = set()   # labels part of a norm input training made opaque: their role stays unknown
+    for norm, calls in seen.calls.items():
+        for call in calls:
+            kept = {lb: r for lb, r in call.sources.items() if lb in labels}
+            if call.opaque:
+                unclear |= set(kept)
+            elif kept:
+                t.calls[norm].append(NormInput(kept))
+                for lb in kept:
+                    t.fed_norms[lb].add(norm)
+    for lb in labels - unclear:
+        t.uses[lb].update(seen.uses.get(lb, {}))
+        if lb in seen.widths:
+            t.widths.setdefault(lb, seen.widths[lb])
+        t.ran |= params(lb)
 
 
 def _forward(rec: Recorder, model: nn.Module, x: dict) -> None:

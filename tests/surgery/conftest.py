@@ -16,3 +16,15 @@ def feed(monkeypatch):
             monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: listed)
         return listed
     return use
+
+
+@pytest.fixture
+def forgetful(monkeypatch):
+    """Make the exact plan forget one source of a GPT-2 (transformers.h.0.mlp.c_proj is never centred)."""
+    real = exact.plan
+
+    def plan(model, sites, inputs=None):
+        p = real(model, sites, inputs)
+        p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
+        return p
+    monkeypatch.setattr(exact, "plan", plan)

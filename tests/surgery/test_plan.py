@@ -231,17 +231,10 @@ def test_encoder_outputs_are_preserved():
     assert all(_rel(ref[k], out[k]) <= 1e-5 for k in ref)
 
 
-def test_auto_falls_back_when_the_rehearsal_fails_and_leaves_the_model_as_naive_would(monkeypatch):
+def test_auto_falls_back_when_the_rehearsal_fails_and_leaves_the_model_as_naive_would(forgetful):
     """A plan that misses a source fails its rehearsal before any edit: auto converts naively, and the result
     is bit-identical to a naive conversion of the untouched model."""
     from helpers.exact_models import build
-    real = exact.plan
-
-    def forgetful(model, sites, inputs=None):
-        p = real(model, sites, inputs)
-        p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
-        return p
-    monkeypatch.setattr(exact, "plan", forgetful)
     model, twin = build("gpt2"), build("gpt2")
     report = normswap.convert(model, method="auto")
     assert report.method == "naive" and "failed verification before any edit" in report.warnings[0]
@@ -295,3 +288,71 @@ class Spare(nn.Module):
 def test_weights_no_code_reads_do_not_block_exact(feed):
     feed({"input_ids": ids()})
     assert normswap.convert(_fresh(Spare), method="exact").method == "exact"
+
+
+@pytest.mark.parametrize("in_memory", [[], ["--allow-missing-weights"]])   # streamed, or loaded whole
+def test_cli_auto_converts_naively_after_a_failed_verification(forgetful, monkeypatch, tmp_path, in_memory):
+    """The edits were made (the rehearsal skipped here) and verification fails: the CLI under auto converts
+    the source again, naively, says why, and exits 0; under exact it exits 1 and writes nothing."""
+    import json
+    from click.testing import CliRunner
+    from normswap.cli import main
+    from helpers.exact_models import build
+    monkeypatch.setattr(exact, "rehearse", lambda *a, **k: None)
+    build("gpt2").save_pretrained(tmp_path / "src")
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "a"),
+                                    "--json", *in_memory])
+    assert run.exit_code == 0, run.output
+    out = json.loads(run.stdout)
+    assert out["report"]["method"] == "naive" and "failed verification" in out["report"]["warnings"][0]
+    assert out["parity"]["max_rel"] > 1e-3   # the naive model, measured
+    run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "exact",
+                                    "-o", str(tmp_path / "e"), *in_memory])
+    assert run.exit_code == 1 and "failed verification" in run.output and not (tmp_path / "e").exists()
+
+
+class TrainingOnly(nn.Module):
+    """A token only training writes into the stream (wav2vec2's SpecAugment embedding); `noisy`: training
+    then multiplies the stream by noise, so what the token does there cannot be told."""
+
+    def __init__(self, noisy: bool):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.emb, self.ln_f, self.head = nn.Embedding(V, D), nn.LayerNorm(D), nn.Linear(D, V)
+        self.spec = nn.Parameter(torch.randn(D, generator=G))
+        self.noisy = noisy
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        if self.training:
+            x = torch.where(torch.rand(x.shape[:2])[..., None] > 0.5, self.spec, x)
+            if self.noisy:
+                x = x * (1 + 0.1 * torch.rand_like(x))
+        return CausalLMOutput(logits=self.head(self.ln_f(x)))
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_writer_only_training_runs_is_traced_in_training_mode(noisy, feed):
+    model = _fresh(lambda: TrainingOnly(noisy))
+    reference = copy.deepcopy(model)
+    feed({"input_ids": ids()})
+    if noisy:
+        with pytest.raises(NormswapError, match="spec did not run on the sample inputs"):
+            normswap.convert(model, method="exact")
+        return
+    x = {"input_ids": ids()}
+    rng = torch.get_rng_state()
+    p = exact.plan(model, find_norms(model)[0], x)
+    assert torch.equal(rng, torch.get_rng_state()) and not model.training   # left as it was
+    assert "param:spec" in p.norms["ln_f"].sources
+    assert normswap.convert(model, method="exact").method == "exact"
+    assert compare(reference, model, [{"input_ids": ids(3, 5)}]).max_rel <= 1e-5
+    model.train(), reference.train()
+    x = {"input_ids": ids(3, 5)}
+    torch.manual_seed(3)
+    with torch.no_grad():
+        a = reference(**x).logits
+    torch.manual_seed(3)
+    with torch.no_grad():
+        b = model(**x).logits
+    assert _rel(a, b) <= 1e-5   # the token is centred: training-mode outputs are the original's too
