@@ -140,11 +140,11 @@ class Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
         ins = tensors_in((args, kwargs))
-        for x in ins:
+        values = name not in IGNORE and (name != "__get__" or bool(tensors_in(out)))   # not .shape, .is_meta
+        for x in ins if values else ():
             if id(x) in self.params:
                 self.trace.ran.add(self.params[id(x)])
-        if self.pending and name not in IGNORE and (name != "__get__" or tensors_in(out)):  # values read
-            for x in ins:
+            if self.pending:   # values read
                 self.read(x)
         if self.inside is None and name not in IGNORE:
             self.record(func, name, args, kwargs, out, ins)

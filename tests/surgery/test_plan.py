@@ -356,3 +356,17 @@ def test_a_writer_only_training_runs_is_traced_in_training_mode(noisy, feed):
     with torch.no_grad():
         b = model(**x).logits
     assert _rel(a, b) <= 1e-5   # the token is centred: training-mode outputs are the original's too
+
+
+def test_streaming_refuses_an_untraced_writer_too(monkeypatch, tmp_path):
+    """The streamed conversion plans on a lazy model whose loader touches every parameter of a module it
+    enters: only a read of its values counts as running (DINOv2's mask token, without bool_masked_pos)."""
+    from normswap.checkpoint import stream
+    cfg = tf.Dinov2Config(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
+                          patch_size=8)
+    _fresh(lambda: tf.Dinov2Model(cfg)).save_pretrained(tmp_path / "src")
+    pixels = [{"pixel_values": torch.randn(2, 3, 32, 32, generator=G)}]
+    monkeypatch.setattr(stream, "sample_inputs", lambda *a, **k: pixels)
+    with pytest.raises(NormswapError, match="embeddings.mask_token did not run on the sample inputs"):
+        stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    assert not (tmp_path / "out").exists()
