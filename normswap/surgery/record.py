@@ -139,6 +139,8 @@ class Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", str(func))
+        if name == "__get__" and tensors_in(out):   # a property giving a tensor: .data, .T, .mT...
+            name = "__get__." + getattr(getattr(func, "__self__", None), "__name__", "")
         ins = tensors_in((args, kwargs))
         values = name not in IGNORE and (name != "__get__" or bool(tensors_in(out)))   # not .shape, .is_meta
         for x in ins if values else ():

@@ -26,13 +26,14 @@ from normswap.surgery.flow import ZERO, Flow, canonical, codes_of
 
 IDENTITY = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "detach", "contiguous", "clone",
             "requires_grad_", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-            "feature_alpha_dropout", "__get__"}
+            "feature_alpha_dropout", "__get__.data"}
 MOVE = {"view", "reshape", "permute", "transpose", "swapaxes", "swapdims", "movedim", "moveaxis", "t",
         "expand", "expand_as", "broadcast_to", "repeat", "tile", "repeat_interleave", "flatten", "unflatten",
         "squeeze", "unsqueeze", "view_as", "reshape_as", "__getitem__", "narrow", "select", "index_select",
         "gather", "take_along_dim", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "cat",
         "concat", "concatenate", "stack", "roll", "flip", "fliplr", "flipud", "unfold", "pad", "masked_fill",
-        "masked_fill_", "where", "__setitem__", "index_put", "index_put_", "embedding", "copy_"}
+        "masked_fill_", "where", "__setitem__", "index_put", "index_put_", "embedding", "copy_", "__get__.T",
+        "__get__.mT"}
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_",
          "neg", "__neg__", "negative"}
