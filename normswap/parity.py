@@ -68,7 +68,7 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Ref
             runs = [(batch, model(**batch))]
         except Exception:
             # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
-            rows = _rows(batch)
+            rows = batch_rows(batch)
             if rows is None:
                 raise
             runs = [(row, model(**row)) for row in rows]
@@ -79,7 +79,7 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Ref
     return Reference(used, outs, name)
 
 
-def _rows(batch: dict) -> list[dict] | None:
+def batch_rows(batch: dict) -> list[dict] | None:
     """A batch of several rows as one-row batches; None if it is one row already."""
     sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
     if len(sizes) != 1 or (n := sizes.pop()) < 2:

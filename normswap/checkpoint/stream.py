@@ -36,7 +36,7 @@ from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, dtype_name, read_config
 from normswap.norms import build_norm
 from normswap.parity import Parity, compare, refuse_nonfinite
-from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs
+from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
@@ -68,7 +68,7 @@ class Deferred:
     """The exact method's steps (`surgery.methods.ExactSteps`) on a lazy model: planned by one traced forward
     that reads each module's weights just before it runs; applied by recording each layer's edits."""
 
-    def __init__(self, lazy: Lazy, inputs: dict):
+    def __init__(self, lazy: Lazy, inputs: list[dict]):
         self.lazy, self.inputs = lazy, inputs
 
     def plan(self, model: nn.Module, sites) -> Plan:
@@ -102,7 +102,7 @@ class Deferred:
                     self.lazy.new.add(f"{step.target}.bias")
                 edits.setdefault(step.target, []).append(("fold", b))
             elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
-                lam = next(model.get_submodule(step.target).parameters())
+                lam = scale_parameter(model, step.target)
                 edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
                 lam.fill_(1.0)
             elif step.norm == "input":
@@ -131,7 +131,7 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                     elif op == "scale":
                         scale_outputs(module, arg)
                     else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
-                        centre_outputs(model, arg.target, arg.group)
+                        centre_outputs(model, arg.target, arg.group, arg.ranges, arg.axis)
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:
@@ -205,7 +205,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         model.generation_config = GenerationConfig.from_pretrained(src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
-    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)[0]))
+    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
     if not report.converted:
         return report, None
     edits = result.edits if isinstance(result, DeferredResult) else {}

@@ -265,11 +265,15 @@ def centred(x: torch.Tensor) -> torch.Tensor:
     return x - x.float().mean(-1, keepdim=True).to(x.dtype)
 
 
-def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    if module.normswap_centre:
+def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """What an output fix returns for `out`: centred if `centre`, plus `bias` if given."""
+    if centre:
         out = centred(out)
-    bias = getattr(module, "normswap_bias", None)
     return out if bias is None else out + bias
+
+
+def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    return fixed(out, module.normswap_centre, getattr(module, "normswap_bias", None))
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0) -> None:
@@ -287,7 +291,8 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     module.register_forward_hook(_fix_output)
 
 
-def _centre_input(module: nn.Module, args, kwargs):
+def centre_input(module: nn.Module, args, kwargs):
+    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with."""
     if args:
         return (centred(args[0]), *args[1:]), kwargs
     key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
@@ -299,7 +304,7 @@ def add_input_fix(module: nn.Module) -> None:
     if getattr(module, "normswap_centre_input", False):
         raise ValueError("module already has an input fix")
     module.normswap_centre_input = True
-    module.register_forward_pre_hook(_centre_input, with_kwargs=True)
+    module.register_forward_pre_hook(centre_input, with_kwargs=True)
 
 
 def describe_fix(module: nn.Module) -> dict:
