@@ -83,6 +83,7 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
     required = set(ctx.required())
     if ctx.has("input_ids") and ("input_ids" in mains or "input_ids" in required or ctx.integer("vocab_size")):
         text.text(ctx, x, b, s, padded=not first)
+    text.side_text(ctx, x, b, s, padded=not first)
     token = vision.image_token(ctx)
     if takes_images(ctx, mains):
         optional = "pixel_values" not in mains and "pixel_values" not in required

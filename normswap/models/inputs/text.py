@@ -28,9 +28,9 @@ def vocab(ctx: Ctx, decoder: bool = False) -> int:
     return v
 
 
-def ids(ctx: Ctx, shape, decoder: bool = False) -> torch.Tensor:
-    """Random ids below the vocabulary size, avoiding the ids that switch paths on (image tokens...)."""
-    n = vocab(ctx, decoder)
+def ids(ctx: Ctx, shape, decoder: bool = False, n: int | None = None) -> torch.Tensor:
+    """Random ids below the vocabulary size (or n), avoiding the ids that switch paths on (image tokens...)."""
+    n = n or vocab(ctx, decoder)
     avoid = torch.tensor(sorted(i for i in special_ids(ctx) if 0 <= i < n), dtype=torch.long)
     allowed = torch.arange(n)[~torch.isin(torch.arange(n), avoid)] if len(avoid) else torch.arange(n)
     return allowed[ctx.randint(len(allowed), shape)]
@@ -95,3 +95,14 @@ def decoder(ctx: Ctx, x: dict, b: int, s: int) -> None:
     start = ctx.integer("decoder_start_token_id", prefer=DECODER, minimum=0)
     if start is not None and start < vocab(ctx, decoder=True):
         x["decoder_input_ids"][:, 0] = start
+
+
+def side_text(ctx: Ctx, x: dict, b: int, s: int, padded: bool) -> None:
+    """Required ids of a side model named by the input (`qformer_input_ids` from `qformer_config`)."""
+    for name in ctx.required():
+        side = getattr(ctx.config, name.removesuffix("_input_ids") + "_config", None)
+        n = getattr(side, "vocab_size", None)
+        if name.endswith("_input_ids") and name not in x and isinstance(n, int):
+            x[name] = ids(ctx, (b, s), n=n)
+            if ctx.has(mask := name.replace("_input_ids", "_attention_mask")):
+                x[mask] = padded_mask(b, s, padded)
