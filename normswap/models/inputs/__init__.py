@@ -42,8 +42,11 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
 
 
 def main_inputs(ctx: Ctx) -> list[str]:
+    """The model's main inputs; where its main_input_name is not in its forward (a vision tower that kept
+    the default "input_ids"), the first input its forward takes that normswap knows how to build."""
     names = getattr(ctx.model, "main_input_name", "input_ids")
-    names = [names] if isinstance(names, str) else list(names)
+    names = [n for n in ([names] if isinstance(names, str) else list(names)) if n in ctx.params] or \
+        [next((n for n in [*ctx.required(), *ctx.params] if n in MAINS), names)]
     unknown = [n for n in names if n not in MAINS]
     if unknown:
         raise ctx.refuse(f"its main input `{unknown[0]}` is not one normswap can build (it builds "

@@ -7,6 +7,7 @@ import torch
 
 from normswap.models.inputs.context import AUDIO, Ctx
 
+WHISPER_POSITIONS = 1500   # Whisper's 30 s window, where the config names no encoder positions
 WAVEFORM = 4000   # samples (a quarter second at 16 kHz) where the config names no conv stack
 
 
@@ -15,9 +16,7 @@ def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     (b, frames, features), frames halved by each conv layer."""
     mels = ctx.integer("num_mel_bins", prefer=AUDIO)
     if mels is not None and ctx.integer("input_feat_per_channel") is None:
-        positions = ctx.integer("max_source_positions", prefer=AUDIO)
-        if positions is None:
-            raise ctx.refuse("`input_features` with num_mel_bins but no max_source_positions (frames)")
+        positions = ctx.integer("max_source_positions", prefer=AUDIO, default=WHISPER_POSITIONS)
         return ctx.randn(b, mels, 2 * positions)
     width = ctx.integer("input_feat_per_channel", "feature_projection_input_dim", prefer=AUDIO)
     if width is None:
