@@ -21,7 +21,7 @@ from normswap.models.inputs import audio, series, text, vision
 from normswap.models.inputs.context import Ctx, nested_configs
 
 MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "input_values", "past_values",
-         "states", "flattened_patches")
+         "states")
 # inputs that only switch an optional path on
 OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise")
 # what the model reports when the image tokens in the text do not match its image features
