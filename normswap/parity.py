@@ -150,8 +150,9 @@ def run(model: nn.Module, batch: dict, seed: int):
 
 
 @torch.no_grad()
-def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Reference:
-    """Run `model` on `inputs` (default: `sample_inputs`) and keep every floating output, detached.
+def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: dict | None = None) -> Reference:
+    """Run `model` on `inputs` (default: `sample_inputs`) and keep every floating output, detached, but those
+    `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
 
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
     """
@@ -170,6 +171,9 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Ref
             name = main_output(result)[0]
             kept, left = floating_outputs(result)
             excluded.update(left)
+            for k in [k for k in kept if skipped(k, skip)]:
+                excluded[k] = skipped(k, skip)
+                del kept[k]
             used.append(x)
             outs.append({k: v.detach().clone() for k, v in kept.items()})   # never a view into the model
     return Reference(used, outs, name, excluded)
@@ -196,12 +200,13 @@ def mask_for(name: str, batch: dict, out: torch.Tensor) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def compare_to(reference: Reference, model: nn.Module) -> Parity:
+def compare_to(reference: Reference, model: nn.Module, skip: dict | None = None) -> Parity:
     """Run `model` on the reference's inputs; compare every recorded output, on the unpadded positions.
 
     Each output gets its own max |Δ| and relative error; the Parity's max_abs / max_rel are the worst
     output's. An output missing or of another shape counts as an infinite error. Non-finite outputs are
-    counted on either side (Python's max would hide a NaN), never compared.
+    counted on either side (Python's max would hide a NaN), never compared. Outputs `skip` names (name ->
+    why) are not compared and are listed in the Parity's `excluded`.
     """
     stats: dict[str, list[torch.Tensor]] = {}   # name -> [max |Δ|, max |ref|]
     kls: list[torch.Tensor] = []
@@ -209,6 +214,8 @@ def compare_to(reference: Reference, model: nn.Module) -> Parity:
     for i, (batch, ref) in enumerate(zip(reference.inputs, reference.outputs)):
         got, _ = floating_outputs(run(model, batch, i))
         for name, a in ref.items():
+            if skipped(name, skip):
+                continue
             b = got.get(name)
             st = stats.setdefault(name, [torch.zeros((), dtype=torch.float64)] * 2)
             if b is None or b.shape != a.shape:
@@ -238,8 +245,9 @@ def compare_to(reference: Reference, model: nn.Module) -> Parity:
         outputs = {n: {"max_abs": float("nan"), "max_rel": float("nan")} for n in outputs}
     worst = max(outputs, key=lambda n: order(outputs[n]["max_rel"]), default=reference.output)
     w = outputs.get(worst, {"max_abs": 0.0, "max_rel": 0.0})
-    return Parity(w["max_abs"], w["max_rel"], kl, reference.output, bad_ref, bad, worst, outputs,
-                  dict(reference.excluded))
+    excluded = {**reference.excluded, **{n: skipped(n, skip) for o in reference.outputs for n in o
+                                         if skipped(n, skip)}}
+    return Parity(w["max_abs"], w["max_rel"], kl, reference.output, bad_ref, bad, worst, outputs, excluded)
 
 
 def rel(d: float, r: float) -> float:
@@ -258,6 +266,15 @@ def refuse_nonfinite(parity: Parity) -> None:
                             f"{parity.ref_nonfinite}); nothing was saved")
 
 
-def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None) -> Parity:
-    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare."""
-    return compare_to(reference_outputs(reference, inputs), model)
+def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None,
+            skip: dict | None = None) -> Parity:
+    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare (but `skip`)."""
+    return compare_to(reference_outputs(reference, inputs, skip), model)
+
+
+def skipped(name: str, skip: dict | None) -> str | None:
+    """Why output `name` is not compared, if `skip` (name -> why) names it or an output holding it."""
+    for k, why in (skip or {}).items():
+        if name == k or name.startswith(k + "."):
+            return why
+    return None

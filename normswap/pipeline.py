@@ -184,7 +184,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing
             raise Interrupted(result.healed.signum)
-    result.parity = compare_to(reference, model)
+    result.parity = compare_to(reference, model, skip=report.unverified)   # those the report names
     refuse_nonfinite(result.parity)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     if o.onnx:

@@ -154,8 +154,10 @@ def _sample_inputs(model: nn.Module) -> list[dict]:
     return sample_inputs(stand_in)
 
 
-def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False) -> Parity:
-    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
+def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False,
+                skip: dict | None = None) -> Parity:
+    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory (the
+    `skip` outputs, name -> why, not compared: see `parity.reference_outputs`)."""
     raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
     config, cls = base_config(raw, raw["normswap"], str(out))
     converted = skeleton(out, config, dtype, cls)
@@ -169,21 +171,24 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = 
         lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
         read_buffers(converted, lazies[1])
         for model, lazy in zip((reference, converted), lazies):
+            # run in fp32, with the values of the model as loaded
+            lazy.via = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
             lazy.attach(model.float())
         with LoadOnUse(*lazies):
-            return compare(reference, converted, inputs)
+            return compare(reference, converted, inputs, skip)
 
 
 class _Verification:
     """The check `save_pretrained` runs on the written folder before it replaces OUT: parity against the
     source, judged for an exact conversion (kept in `parity`)."""
 
-    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool):
-        self.src, self.report, self.dtype, self.show_progress = src, report, dtype, show_progress
+    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
+                 skip: dict):
+        self.src, self.report, self.dtype, self.show_progress, self.skip = src, report, dtype, show_progress, skip
         self.parity: Parity | None = None
 
     def __call__(self, folder: Path) -> None:
-        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress)
+        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip)
         refuse_nonfinite(self.parity)
         if self.report.method == "exact":
             self.report.verification = judge(self.parity, self.dtype, enforce=self.report.to == "rmsnorm")
@@ -211,7 +216,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     edits = result.edits if isinstance(result, DeferredResult) else {}
     specs = safetensors.saved_specs(model)
     stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
-    verification = _Verification(src, report, stored, show_progress)
+    verification = _Verification(src, report, stored, show_progress, result.unverified)
     with progress.bar(total=safetensors.total_bytes(specs), desc="convert", unit="B", unit_scale=True,
                       enabled=show_progress) as bar:
         lazy.bar = bar

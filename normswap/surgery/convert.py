@@ -98,7 +98,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     report.method = result.method
     report.added_biases = result.added_biases
     report.warnings += result.warnings
-    report.not_preserved = result.not_preserved
+    report.not_preserved, report.unverified = result.not_preserved, result.unverified
     for site in sites:
         replace_module(model, site.name, _make_norm(site, to, p))
         report.converted.append(NormRecord(

@@ -141,7 +141,7 @@ def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: E
         result = naive(model, sites)
         result.warnings.append(fell_back(e))
         return result
-    result.not_preserved = not_preserved(model, p)
+    result.not_preserved, result.unverified = not_preserved(model, p), dict(p.not_kept)
     return result
 
 
@@ -189,10 +189,11 @@ def _fp32_eval(model: nn.Module):
         model.train(training)
 
 
-def _reference(model: nn.Module) -> Reference:
-    """The unedited model's fp32 outputs; a source that gives NaN/inf cannot be called exact."""
+def _reference(model: nn.Module, skip: dict | None = None) -> Reference:
+    """The unedited model's fp32 outputs (but the `skip` ones: name -> why, reported as not preserved); a
+    source that gives NaN/inf cannot be called exact."""
     with _fp32_eval(model):
-        ref = reference_outputs(model)
+        ref = reference_outputs(model, skip=skip)
     if ref.nonfinite:
         raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
                             "sample inputs: it is broken, so no conversion of it can be verified as exact")
@@ -216,7 +217,8 @@ def judge(parity, dtype: torch.dtype, enforce: bool) -> dict:
     """The verification record of a finished comparison; NormswapError beyond TOLERANCE when `enforce`."""
     tol = TOLERANCE.get(dtype, 1e-4)
     if enforce and not parity.max_rel <= tol:  # also catches NaN
-        raise VerificationFailed(f"exact conversion failed verification: max relative {parity.output} error "
+        raise VerificationFailed(f"exact conversion failed verification: max relative "
+                                 f"{parity.worst or parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
     return {**parity.to_dict(), "dtype": str(dtype)[6:], "tolerance": tol, "enforced": enforce}
 
@@ -242,13 +244,14 @@ def rehearse(model: nn.Module, sites: list[NormSite], p: Plan, reference: Refere
         raise NotExact(f"the plan could not be rehearsed ({type(e).__name__}: {_line(e)})") from None
     tol = TOLERANCE[torch.float32]
     if not parity.finite or not parity.max_rel <= tol:
-        raise NotExact(f"the traced plan failed verification before any edit (max relative {parity.output} error "
+        raise NotExact(f"the traced plan failed verification before any edit (max relative "
+                       f"{parity.worst or parity.output} error "
                        f"{parity.max_rel:.2e} > {tol:g}): the model does something the trace does not see")
 
 
 @torch.no_grad()
 def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
-    reference = _reference(model)   # before any edit: outputs, not a copy
+    reference = _reference(model, p.not_kept)   # before any edit: outputs, not a copy
     rehearse(model, sites, p, reference)
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     added: list[str] = []

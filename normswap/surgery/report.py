@@ -29,6 +29,7 @@ class ConversionReport:
     warnings: list[str] = field(default_factory=list)
     verification: dict | None = None                        # filled by methods that verify themselves
     not_preserved: list[str] = field(default_factory=list)  # outputs an exact conversion changes: "name: why"
+    unverified: dict[str, str] = field(default_factory=dict)  # of those, returned ones by name (not compared)
 
     @property
     def num_converted(self) -> int:

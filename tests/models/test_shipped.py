@@ -28,7 +28,8 @@ from surgery.test_trace import MODELS
 CASES = {**{name: (lambda n=name: build(n)) for name in FAMILIES},
          **{f"traced-{name}": (lambda m=make: perturb(m()).eval()) for name, (make, _) in MODELS.items()},
          **{name: (lambda m=make: perturb(m()).eval()) for name, make in MAKERS.items()}}
-EXTRA_INPUTS = {f"traced-{name}": inputs for name, (_, inputs) in MODELS.items()}  # other shapes than the samples
+EXTRA_INPUTS = {f"traced-{name}": inputs if isinstance(inputs, list) else [inputs]   # other shapes than the samples
+                for name, (_, inputs) in MODELS.items()}
 
 # Every floating tensor of a model's output, by path (defined once: the child below runs it too).
 FLAT = '''
@@ -105,7 +106,7 @@ def converted(tmp_path_factory):
     for name, make in CASES.items():
         torch.manual_seed(0)
         model = make()
-        inputs = sample_inputs(model) + ([EXTRA_INPUTS[name]] if name in EXTRA_INPUTS else [])
+        inputs = sample_inputs(model) + EXTRA_INPUTS.get(name, [])
         with torch.no_grad():
             want = [main_output(model(**batch))[1].double() for batch in inputs]
         report = normswap.convert(model, method="exact")
