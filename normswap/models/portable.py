@@ -21,6 +21,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -159,6 +160,9 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
             _fail(where, f"{ctx}.bias must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
+    kept = section.get("not_preserved", {})
+    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        _fail(where, "not_preserved must map output names to reasons")
     sums = _get(where, section, "checksum", dict, "section")
     for key in ("section", "weights_header"):
         _get(where, sums, key, str, "checksum")
@@ -346,6 +350,9 @@ def rebuild(model: nn.Module, section, where: str, make_norm=build_norm) -> None
     validate(section, where, model)
     verify_checksum(section, None, where)
     apply_structure(model, section, make_norm)
+    if section.get("not_preserved"):   # said on every load, in normswap and in plain transformers alike
+        warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "
+                      + "; ".join(f"{k} ({why})" for k, why in section["not_preserved"].items()), stacklevel=2)
 
 
 # ---- transformers: the classes generated at the end of modeling_normswap.py derive from this ---------------

@@ -244,3 +244,20 @@ def test_default_sample_inputs_drive_encoder_decoders_and_two_towers(name):
     report = normswap.convert(model, method="exact")
     assert report.method == "exact" and report.verification["max_rel"] <= 1e-5
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+def test_outputs_not_preserved_are_named_at_every_load(feed, tmp_path):
+    """CLIPModel returns the vision tower's unnormalised stream: left out of verification, named in the report,
+    recorded in the folder, and named again whenever the folder loads (the same code runs in plain transformers)."""
+    model, inputs = _build("clip")
+    feed(inputs)
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    assert list(report.unverified) == ["vision_model_output.last_hidden_state"]
+    assert "vision_model_output.last_hidden_state" in report.verification["excluded"]
+    assert "vision_model_output.last_hidden_state" not in report.verification["compared"]
+    # it does change (so naming it is not idle), and nothing else does
+    assert compare(reference, model, _listed(inputs)).worst == "vision_model_output.last_hidden_state"
+    normswap.save_pretrained(model, tmp_path / "m")
+    with pytest.warns(UserWarning, match=r"except vision_model_output\.last_hidden_state \(the residual stream"):
+        normswap.from_pretrained(tmp_path / "m")
