@@ -17,7 +17,7 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.demo import HELDOUT_FILE, heldout_text
 from normswap.models.introspect import is_causal_lm
-from normswap.parity import compare
+from normswap.parity import compare, scope
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
 
@@ -37,7 +37,10 @@ class EvalReport:
     sentences: int | None = None
     max_rel: float | None = None           # parity: max |Δ output| / max |reference output|
     max_abs: float | None = None
-    output: str | None = None              # parity: which output was compared
+    output: str | None = None              # parity: the main output
+    worst: str | None = None               # parity: the output with the largest relative error
+    compared: list[str] | None = None      # parity: every output compared
+    excluded: dict | None = None           # parity: outputs not compared -> why
 
     def error(self) -> str | None:
         """Why the numbers are unusable (NaN/inf: a broken model), else None."""
@@ -54,7 +57,8 @@ class EvalReport:
             return f"error: {self.error()}"
         if self.kind == "parity":
             kl = f", KL {self.kl:.3e}" if self.kl is not None else ""
-            return (f"parity to reference on sample inputs ({self.output}; no perplexity for this model): "
+            where = scope(self.output, self.worst or "", self.compared or [], self.excluded or {})
+            return (f"parity to reference on sample inputs ({where}; no perplexity for this model): "
                     f"max |Δ| {self.max_abs:.3e}, rel {self.max_rel:.3e}{kl}")
         if self.kind == "encoder":
             return (f"embedding cosine to reference: mean {self.cosine:.6f}, min {self.cosine_min:.6f} "
@@ -176,7 +180,8 @@ def _parity(model, reference) -> EvalReport:
                             f"{getattr(model, 'main_input_name', 'input_ids')}; pass the original "
                             "(`reference`) to measure parity to it on sample inputs")
     p = compare(reference, model)
-    return EvalReport("parity", kl=p.kl, max_rel=p.max_rel, max_abs=p.max_abs, output=p.output)
+    return EvalReport("parity", kl=p.kl, max_rel=p.max_rel, max_abs=p.max_abs, output=p.output, worst=p.worst,
+                      compared=p.compared, excluded=p.excluded)
 
 
 def evaluate(model: nn.Module, tokenizer, texts: list[str] | str | None = None,

@@ -1,8 +1,16 @@
-"""How far a converted model is from the original: max |Δ|, relative error, KL on sample inputs."""
+"""How far a converted model is from the original: max |Δ|, relative error, KL on sample inputs, over
+every floating output the forward returns (logits, hidden states, encoder states, pooled outputs,
+embeddings, caches, nested tuples), each judged on its own scale.
+
+Not compared, and named in the report: tuples of intermediate hidden states (`hidden_states`,
+`encoder_hidden_states`, ... returned when asked for). They are the residual stream itself, which an exact
+conversion centres by design; every output read through a norm or a layer is compared.
+"""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -10,76 +18,168 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
 
+# a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
+STREAM = re.compile(r"(^|\.|_)hidden_states$")
+STREAM_REASON = "per-layer residual stream, centred by the exact conversion by design"
+CHUNK = 8   # rows compared in fp64 at a time
+
 
 @dataclass
 class Parity:
-    max_abs: float       # max |Δ output| over all positions (NaN when either side is non-finite)
-    max_rel: float       # max |Δ output| / max |reference output|
-    kl: float | None     # mean KL(reference || converted) per token, for models with logits
-    output: str          # which output was compared
+    max_abs: float       # max |Δ| of the worst output (NaN when either side is non-finite)
+    max_rel: float       # its max |Δ| / max |reference|: the largest relative error over all compared outputs
+    kl: float | None     # mean KL(reference || converted) per token of the logits, for models with logits
+    output: str          # the main output (logits, else last_hidden_state, else the first)
     ref_nonfinite: int = 0   # NaN/inf values in the reference's outputs
     nonfinite: int = 0       # NaN/inf values in the compared model's outputs
+    worst: str = ""          # the output with the largest relative error
+    outputs: dict = field(default_factory=dict)    # name -> {"max_abs", "max_rel"} for every compared output
+    excluded: dict = field(default_factory=dict)   # name -> why it was not compared
 
     @property
     def finite(self) -> bool:
         return not (self.ref_nonfinite or self.nonfinite)
 
+    @property
+    def compared(self) -> list[str]:
+        return list(self.outputs)
+
     def to_dict(self) -> dict:  # NaN -> None: the CLI's --json must stay valid JSON
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return json_safe({**asdict(self), "compared": self.compared})
+
+    def scope(self) -> str:
+        return scope(self.output, self.worst, self.compared, self.excluded)
 
     def __str__(self) -> str:
         if not self.finite:
-            return (f"parity vs original ({self.output}): NON-FINITE outputs: {self.nonfinite} NaN/inf in the "
+            return (f"parity vs original ({self.scope()}): NON-FINITE outputs: {self.nonfinite} NaN/inf in the "
                     f"converted model, {self.ref_nonfinite} in the original; no comparison possible")
         kl = f", KL {self.kl:.3e}" if self.kl is not None else ""
-        return f"parity vs original ({self.output}): max |Δ| {self.max_abs:.3e}, rel {self.max_rel:.3e}{kl}"
+        return f"parity vs original ({self.scope()}): max |Δ| {self.max_abs:.3e}, rel {self.max_rel:.3e}{kl}"
+
+
+def scope(output: str, worst: str, compared: list[str], excluded: dict) -> str:
+    """Which outputs a comparison covers: "logits", or "logits, worst of 5 outputs: logits,
+    past_key_values[4]", and what it left out and why."""
+    s = worst or output
+    if len(compared) > 1:
+        s += f", worst of {len(compared)} outputs: {grouped(compared)}"
+    if excluded:
+        s += f"; not compared: {grouped(excluded)} ({STREAM_REASON})"
+    return s
+
+
+def json_safe(v):
+    if isinstance(v, dict):
+        return {k: json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [json_safe(x) for x in v]
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def grouped(names) -> str:
+    """Output names, those under one key counted: "logits, past_key_values[8]"."""
+    groups: dict[str, int] = {}
+    for n in names:
+        groups[n.split(".")[0]] = groups.get(n.split(".")[0], 0) + 1
+    return ", ".join(k if c == 1 and k in names else f"{k}[{c}]" for k, c in groups.items())
 
 
 @dataclass
 class Reference:
-    """A model's main outputs on sample inputs, kept instead of a copy of the model (see `reference_outputs`)."""
+    """A model's outputs on sample inputs, kept instead of a copy of the model (see `reference_outputs`)."""
     inputs: list[dict]
-    outputs: list[torch.Tensor]
+    outputs: list[dict]  # per batch: name -> tensor, every compared output
     output: str          # name of the main output
+    excluded: dict = field(default_factory=dict)   # name -> why it is not compared
 
     @property
     def nonfinite(self) -> int:
-        return sum(int((~o.isfinite()).sum()) for o in self.outputs)
+        return sum(int((~o.isfinite()).sum()) for out in self.outputs for o in out.values())
 
 
 def main_output(out) -> tuple[str, torch.Tensor]:
-    """(name, tensor) of a model's main output: logits, else last_hidden_state, else the first one."""
+    """(name, tensor) of a model's main output: logits, else last_hidden_state, else the first tensor."""
     for key in ("logits", "last_hidden_state"):
-        if getattr(out, key, None) is not None:
+        if isinstance(getattr(out, key, None), torch.Tensor):
             return key, getattr(out, key)
+    kept, _ = floating_outputs(out)
+    if kept:
+        return next(iter(kept.items()))
     return "output", out[0]
 
 
+def floating_outputs(out) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(every floating tensor a forward returned, by dotted name; the outputs left out -> why).
+
+    ModelOutputs and dicts by key, tuples and lists by index, caches by layer (`past_key_values.0.keys`).
+    Left out: tuples of intermediate hidden states (the residual stream an exact conversion centres)."""
+    kept: dict[str, torch.Tensor] = {}
+    excluded: dict[str, str] = {}
+
+    def walk(v, name: str) -> None:
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point():
+                kept[name or "output"] = v
+        elif name and STREAM.search(name) and isinstance(v, (tuple, list)):
+            excluded[name] = STREAM_REASON
+        elif isinstance(v, dict) or hasattr(v, "to_tuple") and hasattr(v, "keys"):
+            for k in v.keys():
+                walk(v[k], f"{name}.{k}" if name else str(k))
+        elif isinstance(v, (tuple, list)):
+            for i, x in enumerate(v):
+                walk(x, f"{name}.{i}" if name else str(i))
+        elif isinstance(getattr(v, "layers", None), list):   # a transformers Cache
+            for i, layer in enumerate(v.layers):
+                for k in ("keys", "values"):
+                    walk(getattr(layer, k, None), f"{name}.{i}.{k}")
+        else:
+            for k in ("self_attention_cache", "cross_attention_cache"):   # EncoderDecoderCache
+                if getattr(v, k, None) is not None:
+                    walk(getattr(v, k), f"{name}.{k}")
+    walk(out, "")
+    return kept, excluded
+
+
+def run(model: nn.Module, batch: dict, seed: int):
+    """model(**batch) with the RNG seeded: random draws inside a forward repeat in the comparison run."""
+    device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        return model(**batch)
+
+
 @torch.no_grad()
-def reference_outputs(model: nn.Module, inputs: list[dict] | None = None) -> Reference:
-    """Run `model` on `inputs` (default: `sample_inputs`) and keep its main outputs, detached.
+def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: dict | None = None) -> Reference:
+    """Run `model` on `inputs` (default: `sample_inputs`) and keep every floating output, detached, but those
+    `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
 
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
     """
     inputs = inputs if inputs is not None else sample_inputs(model)
-    name, outs, used = "output", [], []
-    for batch in inputs:
+    name, outs, used, excluded = "output", [], [], {}
+    for i, batch in enumerate(inputs):
         try:
-            runs = [(batch, model(**batch))]
+            runs = [(batch, run(model, batch, i))]
         except Exception:
             # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
-            rows = _rows(batch)
+            rows = batch_rows(batch)
             if rows is None:
                 raise
-            runs = [(row, model(**row)) for row in rows]
+            runs = [(row, run(model, row, i)) for row in rows]
         for x, result in runs:
-            name, out = main_output(result)
+            name = main_output(result)[0]
+            kept, left = floating_outputs(result)
+            excluded.update(left)
+            for k in [k for k in kept if skipped(k, skip)]:
+                excluded[k] = skipped(k, skip)
+                del kept[k]
             used.append(x)
-            outs.append(out.detach().clone())  # clone: never a view into the model's own buffers
-    return Reference(used, outs, name)
+            outs.append({k: v.detach().clone() for k, v in kept.items()})   # never a view into the model
+    return Reference(used, outs, name, excluded)
 
 
-def _rows(batch: dict) -> list[dict] | None:
+def batch_rows(batch: dict) -> list[dict] | None:
     """A batch of several rows as one-row batches; None if it is one row already."""
     sizes = {v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()}
     if len(sizes) != 1 or (n := sizes.pop()) < 2:
@@ -88,47 +188,93 @@ def _rows(batch: dict) -> list[dict] | None:
             for i in range(n)]
 
 
-@torch.no_grad()
-def compare_to(reference: Reference, model: nn.Module) -> Parity:
-    """Run `model` on the reference's inputs; compare main outputs on the unpadded positions.
+def mask_for(name: str, batch: dict, out: torch.Tensor) -> torch.Tensor | None:
+    """The positions of `out` that hold real tokens, where its first two dims are the mask's (batch,
+    length): an encoder-decoder's encoder outputs follow the attention mask, its decoder outputs the
+    decoder mask. Outputs of other lengths (image tokens prepended: GIT, ViLT) are compared everywhere."""
+    decoder = "decoder_input_ids" in batch and not name.startswith("encoder_")
+    mask = batch.get("decoder_attention_mask" if decoder else "attention_mask")
+    if mask is None or out.dim() < 3 or tuple(out.shape[:2]) != tuple(mask.shape):
+        return None
+    return mask.bool().to(out.device)
 
-    Non-finite outputs are counted on either side (Python's max would hide a NaN), never compared.
+
+@torch.no_grad()
+def compare_to(reference: Reference, model: nn.Module, skip: dict | None = None) -> Parity:
+    """Run `model` on the reference's inputs; compare every recorded output, on the unpadded positions.
+
+    Each output gets its own max |Δ| and relative error; the Parity's max_abs / max_rel are the worst
+    output's. An output missing or of another shape counts as an infinite error. Non-finite outputs are
+    counted on either side (Python's max would hide a NaN), never compared. Outputs `skip` names (name ->
+    why) are not compared and are listed in the Parity's `excluded`.
     """
-    max_abs = ref_max = torch.zeros((), dtype=torch.float64)
+    stats: dict[str, list[torch.Tensor]] = {}   # name -> [max |Δ|, max |ref|]
     kls: list[torch.Tensor] = []
     bad_ref = bad = 0
-    for batch, ref in zip(reference.inputs, reference.outputs):
-        _, out = main_output(model(**batch))
-        out = out.to(ref.device)
-        if "attention_mask" in batch and ref.dim() == 3:
-            keep = batch["attention_mask"].bool().to(ref.device)
-            ref, out = ref[keep], out[keep]
-        # fp64 a few positions at a time: whole fp64 logits (and their softmax temporaries) would be
-        # several times the size of a big-vocabulary model's largest weight.
-        for a, b in zip(ref.split(8), out.split(8)):
-            a, b = a.double(), b.double()
-            bad_ref += int((~a.isfinite()).sum())
-            bad += int((~b.isfinite()).sum())
-            max_abs = torch.maximum(max_abs, (a - b).abs().max().cpu())   # torch.maximum propagates NaN
-            ref_max = torch.maximum(ref_max, a.abs().max().cpu())
-            if reference.output == "logits":
-                la, lb = a.log_softmax(-1), b.log_softmax(-1)
-                kls.append((la.exp() * (la - lb)).sum(-1).flatten())
+    for i, (batch, ref) in enumerate(zip(reference.inputs, reference.outputs)):
+        got, _ = floating_outputs(run(model, batch, i))
+        for name, a in ref.items():
+            if skipped(name, skip):
+                continue
+            b = got.get(name)
+            st = stats.setdefault(name, [torch.zeros((), dtype=torch.float64)] * 2)
+            if b is None or b.shape != a.shape:
+                st[0] = torch.tensor(math.inf, dtype=torch.float64)
+                continue
+            b = b.to(a.device)
+            keep = mask_for(name, batch, a)
+            if keep is not None:
+                a, b = a[keep], b[keep]
+            # fp64 a few rows at a time: whole fp64 logits (and their softmax temporaries) would be
+            # several times the size of a big-vocabulary model's largest weight.
+            rows_a = a.reshape(-1, a.shape[-1]) if a.dim() > 1 else a.reshape(1, -1)
+            rows_b = b.reshape(rows_a.shape)
+            for x, y in zip(rows_a.split(CHUNK), rows_b.split(CHUNK)):
+                x, y = x.double(), y.double()
+                bad_ref += int((~x.isfinite()).sum())
+                bad += int((~y.isfinite()).sum())
+                st[0] = torch.maximum(st[0], (x - y).abs().max().cpu())   # torch.maximum propagates NaN
+                st[1] = torch.maximum(st[1], x.abs().max().cpu())
+                if name == "logits" == reference.output:
+                    lx, ly = x.log_softmax(-1), y.log_softmax(-1)
+                    kls.append((lx.exp() * (lx - ly)).sum(-1).flatten())
+    outputs = {n: {"max_abs": d.item(), "max_rel": rel(d.item(), r.item())} for n, (d, r) in stats.items()}
     kl = torch.cat(kls).mean().item() if kls else None
-    max_abs, ref_max = max_abs.item(), ref_max.item()
     if bad_ref or bad:
-        max_abs = kl = float("nan")
-    return Parity(max_abs, max_abs / max(ref_max, 1e-30) if math.isfinite(max_abs) else float("nan"), kl,
-                  reference.output, bad_ref, bad)
+        kl = float("nan")
+        outputs = {n: {"max_abs": float("nan"), "max_rel": float("nan")} for n in outputs}
+    worst = max(outputs, key=lambda n: order(outputs[n]["max_rel"]), default=reference.output)
+    w = outputs.get(worst, {"max_abs": 0.0, "max_rel": 0.0})
+    excluded = {**reference.excluded, **{n: skipped(n, skip) for o in reference.outputs for n in o
+                                         if skipped(n, skip)}}
+    return Parity(w["max_abs"], w["max_rel"], kl, reference.output, bad_ref, bad, worst, outputs, excluded)
+
+
+def rel(d: float, r: float) -> float:
+    return d / max(r, 1e-30) if math.isfinite(d) else d
+
+
+def order(v: float) -> float:
+    return math.inf if v != v else v   # NaN sorts worst
 
 
 def refuse_nonfinite(parity: Parity) -> None:
     """Never save a model that gives NaN/inf: one line saying how many, on both sides."""
     if parity.nonfinite:
-        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) {parity.output} "
-                            f"values on sample inputs (the original: {parity.ref_nonfinite}); nothing was saved")
+        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
+                            f"{grouped(parity.outputs) or parity.output} values on sample inputs (the original: "
+                            f"{parity.ref_nonfinite}); nothing was saved")
 
 
-def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None) -> Parity:
-    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare."""
-    return compare_to(reference_outputs(reference, inputs), model)
+def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None,
+            skip: dict | None = None) -> Parity:
+    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare (but `skip`)."""
+    return compare_to(reference_outputs(reference, inputs, skip), model)
+
+
+def skipped(name: str, skip: dict | None) -> str | None:
+    """Why output `name` is not compared, if `skip` (name -> why) names it or an output holding it."""
+    for k, why in (skip or {}).items():
+        if name == k or name.startswith(k + "."):
+            return why
+    return None

@@ -29,6 +29,7 @@ from normswap.models.source import check_code, read_config, resolve_source
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
 from normswap.surgery.convert import convert
 from normswap.surgery.probe import NONFINITE
+from normswap.surgery.exact import VerificationFailed, fell_back
 from normswap.surgery.report import ConversionReport
 from normswap.textdata import read_texts
 
@@ -141,11 +142,20 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     if not texts and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
             and streamable(src):
         # a checkpoint folder: converted tensor by tensor, in bounded memory, verified before OUT appears
-        try:
-            report, parity = convert_folder(src, out, o.to, o.method, o.p, o.load.dtype, o.overwrite,
+        def stream(method: str) -> ConvertResult:
+            report, parity = convert_folder(src, out, o.to, method, o.p, o.load.dtype, o.overwrite,
                                             o.max_shard_size, o.show_progress)
             _refuse_broken(src, report)
             return ConvertResult(report, parity, out if report.converted else None, streamed=True)
+        try:
+            try:
+                return stream(o.method)
+            except VerificationFailed as e:   # nothing was written; the source is untouched
+                if o.method != "auto":
+                    raise
+                result = stream("naive")
+                result.report.warnings.append(fell_back(e))
+                return result
         except NotStreamable as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = load_model(src, **asdict(o.load))
@@ -154,7 +164,15 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     # Healing distils from the unconverted model while training the converted one: both must exist
     # at once, so this is the one copy, made only when healing.
     original = copy.deepcopy(model) if texts else None
-    report = convert(model, to=o.to, method=o.method, p=o.p)
+    try:
+        report = convert(model, to=o.to, method=o.method, p=o.p)
+    except VerificationFailed as e:   # the edits were made in place: start again from the source, naive
+        if o.method != "auto":
+            raise
+        model, tokenizer = load_model(src, **asdict(o.load))
+        model.to(device)
+        report = convert(model, to=o.to, method="naive", p=o.p)
+        report.warnings.append(fell_back(e))
     result = ConvertResult(report, None, None, notices=notices)
     _refuse_broken(src, report)
     if not report.converted:
@@ -166,7 +184,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing
             raise Interrupted(result.healed.signum)
-    result.parity = compare_to(reference, model)
+    result.parity = compare_to(reference, model, skip=report.unverified)   # those the report names
     refuse_nonfinite(result.parity)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     if o.onnx:

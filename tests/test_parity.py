@@ -13,7 +13,7 @@ import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
-from normswap.parity import compare, compare_to, main_output, reference_outputs
+from normswap.parity import compare, compare_to, reference_outputs
 from normswap.surgery import exact
 from helpers.exact_models import build, padded_batches
 
@@ -31,20 +31,33 @@ def no_model_copies(monkeypatch):
     monkeypatch.setattr(copy, "deepcopy", guarded)
 
 
+def _gpt2_outputs(out) -> dict[str, torch.Tensor]:
+    """GPT-2's outputs written out by hand: logits and every cached key and value."""
+    cache = {f"past_key_values.{i}.{k}": getattr(layer, k)
+             for i, layer in enumerate(out.past_key_values.layers) for k in ("keys", "values")}
+    return {"logits": out.logits, **cache}
+
+
 @torch.no_grad()
 def _fp64_parity(reference: nn.Module, model: nn.Module, inputs: list[dict]) -> tuple[float, float, float]:
-    """The deepcopy-era computation, written out: (max_abs, max_rel, kl) over unpadded positions."""
-    diffs, refs, kls = [], [], []
+    """The deepcopy-era computation, written out per output: (max_abs, max_rel) of the output with the
+    largest relative error (logits on unpadded positions, caches everywhere), and the logits' mean KL."""
+    diffs: dict[str, float] = {}
+    refs: dict[str, float] = {}
+    kls = []
     for batch in inputs:
-        a = main_output(reference(**batch))[1].double()
-        b = main_output(model(**batch))[1].double()
-        keep = batch["attention_mask"].bool()
-        a, b = a[keep], b[keep]
-        diffs.append((a - b).abs().max().item())
-        refs.append(a.abs().max().item())
-        la, lb = a.log_softmax(-1), b.log_softmax(-1)
-        kls.append((la.exp() * (la - lb)).sum(-1))
-    return max(diffs), max(diffs) / max(refs), torch.cat(kls).mean().item()
+        outs_a, outs_b = _gpt2_outputs(reference(**batch)), _gpt2_outputs(model(**batch))
+        for name in outs_a:
+            a, b = outs_a[name].double(), outs_b[name].double()
+            if name == "logits":
+                keep = batch["attention_mask"].bool()
+                a, b = a[keep], b[keep]
+                la, lb = a.log_softmax(-1), b.log_softmax(-1)
+                kls.append((la.exp() * (la - lb)).sum(-1))
+            diffs[name] = max(diffs.get(name, 0.0), (a - b).abs().max().item())
+            refs[name] = max(refs.get(name, 0.0), a.abs().max().item())
+    worst = max(diffs, key=lambda n: diffs[n] / refs[n])
+    return diffs[worst], diffs[worst] / refs[worst], torch.cat(kls).mean().item()
 
 
 @pytest.mark.parametrize("method", ["exact", "naive"])
@@ -56,6 +69,8 @@ def test_outputs_reference_gives_the_deepcopy_numbers(method):
     got = compare_to(ref, model)
     max_abs, max_rel, kl = _fp64_parity(original, model, padded_batches())
     assert (got.max_abs, got.max_rel, got.kl) == (max_abs, max_rel, kl)
+    assert set(got.compared) == set(_gpt2_outputs(original(**padded_batches()[0])))   # logits and the cache
+    assert got.outputs[got.worst]["max_rel"] == max_rel and not got.excluded
     assert got.finite and got.ref_nonfinite == got.nonfinite == 0
     assert (max_rel <= 1e-5) if method == "exact" else (max_rel > 0.05)
     if method == "exact":   # verification: the same comparison on sample inputs, against a copy's outputs
@@ -76,7 +91,7 @@ def test_cli_convert_makes_no_copy(no_model_copies, tmp_path):
     build("gpt2").save_pretrained(tmp_path / "src")
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
-    assert "parity vs original (logits)" in result.output
+    assert "parity vs original (" in result.output and "outputs: logits, past_key_values[4])" in result.output
 
 
 def _nan_weight(model: nn.Module, name: str = "transformer.h.0.mlp.c_fc.weight") -> nn.Module:

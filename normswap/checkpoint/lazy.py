@@ -74,6 +74,9 @@ class Lazy:
         self.running: list[nn.Module] = []   # modules whose forward is running, innermost last
         self.stuck: list = []   # frees refused while something else held the tensor (a view kept by the trace)
         self.new: set[str] = set()   # state names the conversion created (added biases): zeros, not read
+        # state name -> the dtype the model was loaded in, when it runs upcast (verification in fp32): values
+        # are rounded through it, so that an fp32 checkpoint loaded in bf16 is the bf16 model, not the fp32 one
+        self.via: dict[str, torch.dtype] = {}
 
     def key(self, name: str) -> str | None:
         return next((self.names[n] for n in self.groups.get(name, [name]) if n in self.names), None)
@@ -95,7 +98,9 @@ class Lazy:
         key = self.key(name)
         if key is None:
             return None
-        value = self.reader.get(key).to(dtype)
+        value = self.reader.get(key)
+        via = self.via.get(name)
+        value = (value.to(via) if via is not None and value.is_floating_point() else value).to(dtype)
         if self.bar is not None:
             self.bar.update(value.numel() * value.element_size())
         return value

@@ -36,7 +36,7 @@ from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, dtype_name, read_config
 from normswap.norms import build_norm
 from normswap.parity import Parity, compare, refuse_nonfinite
-from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs
+from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
@@ -68,7 +68,7 @@ class Deferred:
     """The exact method's steps (`surgery.methods.ExactSteps`) on a lazy model: planned by one traced forward
     that reads each module's weights just before it runs; applied by recording each layer's edits."""
 
-    def __init__(self, lazy: Lazy, inputs: dict):
+    def __init__(self, lazy: Lazy, inputs: list[dict]):
         self.lazy, self.inputs = lazy, inputs
 
     def plan(self, model: nn.Module, sites) -> Plan:
@@ -102,7 +102,7 @@ class Deferred:
                     self.lazy.new.add(f"{step.target}.bias")
                 edits.setdefault(step.target, []).append(("fold", b))
             elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
-                lam = next(model.get_submodule(step.target).parameters())
+                lam = scale_parameter(model, step.target)
                 edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
                 lam.fill_(1.0)
             elif step.norm == "input":
@@ -131,7 +131,7 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
                     elif op == "scale":
                         scale_outputs(module, arg)
                     else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
-                        centre_outputs(model, arg.target, arg.group)
+                        centre_outputs(model, arg.target, arg.group, arg.ranges, arg.axis)
                 edits[owner] = None  # done: never edit twice
             t = getattr(module, attr)
             if t.is_meta:
@@ -154,8 +154,10 @@ def _sample_inputs(model: nn.Module) -> list[dict]:
     return sample_inputs(stand_in)
 
 
-def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False) -> Parity:
-    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory."""
+def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False,
+                skip: dict | None = None) -> Parity:
+    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory (the
+    `skip` outputs, name -> why, not compared: see `parity.reference_outputs`)."""
     raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
     config, cls = base_config(raw, raw["normswap"], str(out))
     converted = skeleton(out, config, dtype, cls)
@@ -169,21 +171,24 @@ def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = 
         lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
         read_buffers(converted, lazies[1])
         for model, lazy in zip((reference, converted), lazies):
+            # run in fp32, with the values of the model as loaded
+            lazy.via = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
             lazy.attach(model.float())
         with LoadOnUse(*lazies):
-            return compare(reference, converted, inputs)
+            return compare(reference, converted, inputs, skip)
 
 
 class _Verification:
     """The check `save_pretrained` runs on the written folder before it replaces OUT: parity against the
     source, judged for an exact conversion (kept in `parity`)."""
 
-    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool):
-        self.src, self.report, self.dtype, self.show_progress = src, report, dtype, show_progress
+    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
+                 skip: dict):
+        self.src, self.report, self.dtype, self.show_progress, self.skip = src, report, dtype, show_progress, skip
         self.parity: Parity | None = None
 
     def __call__(self, folder: Path) -> None:
-        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress)
+        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip)
         refuse_nonfinite(self.parity)
         if self.report.method == "exact":
             self.report.verification = judge(self.parity, self.dtype, enforce=self.report.to == "rmsnorm")
@@ -205,13 +210,13 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         model.generation_config = GenerationConfig.from_pretrained(src)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
-    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)[0]))
+    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
     if not report.converted:
         return report, None
     edits = result.edits if isinstance(result, DeferredResult) else {}
     specs = safetensors.saved_specs(model)
     stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
-    verification = _Verification(src, report, stored, show_progress)
+    verification = _Verification(src, report, stored, show_progress, result.unverified)
     with progress.bar(total=safetensors.total_bytes(specs), desc="convert", unit="B", unit_scale=True,
                       enabled=show_progress) as bar:
         lazy.bar = bar

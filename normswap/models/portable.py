@@ -21,6 +21,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from pathlib import Path
 
 import torch
@@ -159,6 +160,9 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
             _fail(where, f"{ctx}.bias must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
+    kept = section.get("not_preserved", {})
+    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
+        _fail(where, "not_preserved must map output names to reasons")
     sums = _get(where, section, "checksum", dict, "section")
     for key in ("section", "weights_header"):
         _get(where, sums, key, str, "checksum")
@@ -265,11 +269,15 @@ def centred(x: torch.Tensor) -> torch.Tensor:
     return x - x.float().mean(-1, keepdim=True).to(x.dtype)
 
 
-def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    if module.normswap_centre:
+def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None) -> torch.Tensor:
+    """What an output fix returns for `out`: centred if `centre`, plus `bias` if given."""
+    if centre:
         out = centred(out)
-    bias = getattr(module, "normswap_bias", None)
     return out if bias is None else out + bias
+
+
+def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+    return fixed(out, module.normswap_centre, getattr(module, "normswap_bias", None))
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0) -> None:
@@ -287,7 +295,8 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     module.register_forward_hook(_fix_output)
 
 
-def _centre_input(module: nn.Module, args, kwargs):
+def centre_input(module: nn.Module, args, kwargs):
+    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with."""
     if args:
         return (centred(args[0]), *args[1:]), kwargs
     key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
@@ -299,7 +308,7 @@ def add_input_fix(module: nn.Module) -> None:
     if getattr(module, "normswap_centre_input", False):
         raise ValueError("module already has an input fix")
     module.normswap_centre_input = True
-    module.register_forward_pre_hook(_centre_input, with_kwargs=True)
+    module.register_forward_pre_hook(centre_input, with_kwargs=True)
 
 
 def describe_fix(module: nn.Module) -> dict:
@@ -341,6 +350,9 @@ def rebuild(model: nn.Module, section, where: str, make_norm=build_norm) -> None
     validate(section, where, model)
     verify_checksum(section, None, where)
     apply_structure(model, section, make_norm)
+    if section.get("not_preserved"):   # said on every load, in normswap and in plain transformers alike
+        warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "
+                      + "; ".join(f"{k} ({why})" for k, why in section["not_preserved"].items()), stacklevel=2)
 
 
 # ---- transformers: the classes generated at the end of modeling_normswap.py derive from this ---------------

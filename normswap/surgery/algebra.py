@@ -1,7 +1,8 @@
 """The weight algebra of the exact conversion, in float64, written back in the model's dtype.
 
 - `centre_outputs`: make a layer's outputs (or a parameter added to the stream) zero-mean per group of
-  channels: Linear (out, in) along dim 0, Conv1D (in, out) along dim 1, Embedding rows, ConvNd output channels.
+  channels, or over given channel ranges only: Linear (out, in) along dim 0, Conv1D (in, out) along dim 1,
+  Embedding rows, ConvNd output channels (`centred` is the same map applied to any tensor).
 - `fold_bias`: c' = c + W b for a linear layer reading a norm whose bias is b (the bias created if absent).
 - `scale_outputs` / `fold_scale`: a per-channel scale (LayerScale) multiplied into the layer before it.
 
@@ -31,32 +32,54 @@ def _slices(w: torch.Tensor, dim: int):
     return w.split(step, dim)
 
 
-def centred(t: torch.Tensor, dim: int, group: int) -> torch.Tensor:
-    """t with zero mean over consecutive groups of `group` entries along `dim`, in float64."""
+def centred(t: torch.Tensor, dim: int, group: int, ranges: tuple = ()) -> torch.Tensor:
+    """t with zero mean over consecutive groups of `group` entries along `dim` (all of it if 0), or, given
+    `ranges` ((start, stop), ...), over each range only, the other entries unchanged; in float64."""
     x = t.double().movedim(dim, -1)
+    if ranges:
+        x = x.clone()
+        for a, b in ranges:
+            x[..., a:b] -= x[..., a:b].mean(-1, keepdim=True)
+        return x.movedim(-1, dim)
     g = group if group and x.shape[-1] % group == 0 else x.shape[-1]
     x = x.unflatten(-1, (-1, g))
     return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
 
 
-def _centre_in_place(t: torch.Tensor, dim: int, group: int) -> None:
-    """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`)."""
+def _centre_in_place(t: torch.Tensor, dim: int, group: int, ranges: tuple) -> None:
+    """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`), a stacked one
+    (experts, dim > 0) one 2-D slice after another."""
+    if t.dim() > 2 and dim > 0:
+        for part in t:
+            _centre_in_place(part, dim - 1, group, ranges)
+        return
     for part in (_slices(t, 1 - dim) if t.dim() == 2 else [t]):
-        _update(part, centred(part, dim, group))
+        _update(part, centred(part, dim, group, ranges))
 
 
-def centre_outputs(model: nn.Module, target: str, group: int) -> None:
-    """Make every output of layer `target` (or of "param:<name>", a parameter added to the stream) zero-mean
-    per group of `group` channels."""
+def centred_copy(t: torch.Tensor, dim: int, group: int, ranges: tuple = ()) -> torch.Tensor:
+    """A copy of t (same dtype) centred as `centre_outputs` would, computed a slice at a time."""
+    out = t.detach().clone()
+    _centre_in_place(out, dim, group, ranges)
+    return out
+
+
+def output_dim(layer: nn.Module) -> int:
+    """The dim of a layer's weight that indexes its outputs."""
+    return 1 if isinstance(layer, nn.Embedding) or is_conv1d(layer) else 0
+
+
+def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = (), axis: int = -1) -> None:
+    """Make every output of layer `target` (or of "param:<name>", a parameter whose dim `axis` holds output
+    channels) zero-mean per group of `group` channels (or over each of `ranges`)."""
     if target.startswith("param:"):
         param = model.get_parameter(target[6:])
-        _centre_in_place(param, param.dim() - 1, group)
+        _centre_in_place(param, param.dim() + axis, group, ranges)
         return
     layer = model.get_submodule(target)
-    dim = 1 if isinstance(layer, nn.Embedding) or is_conv1d(layer) else 0
-    _centre_in_place(layer.weight, dim, group)
+    _centre_in_place(layer.weight, output_dim(layer), group, ranges)
     if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
-        _update(layer.bias, centred(layer.bias, 0, group))
+        _update(layer.bias, centred(layer.bias, 0, group, ranges))
 
 
 def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
@@ -68,20 +91,31 @@ def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
         _update(layer.bias, layer.bias.double() * lam.double())
 
 
-def fold_scale(scale: nn.Module, layer: nn.Module) -> None:
-    """layer's outputs *= the scale's parameter, which becomes 1 (LayerScale folded into the layer)."""
-    lam = next(scale.parameters())
-    scale_outputs(layer, lam)
+def scale_parameter(model: nn.Module, target: str) -> nn.Parameter:
+    """The per-channel factor of a scale step: "param:<name>", or a LayerScale module's one parameter."""
+    if target.startswith("param:"):
+        return model.get_parameter(target[6:])
+    return next(model.get_submodule(target).parameters())
+
+
+def fold_scale(model: nn.Module, target: str, layer: str) -> None:
+    """layer's outputs *= the scale's factor, which becomes 1 (LayerScale folded into the layer)."""
+    lam = scale_parameter(model, target)
+    scale_outputs(model.get_submodule(layer), lam)
     lam.fill_(1.0)
+
+
+def bias_shift(layer: nn.Module, b: torch.Tensor) -> torch.Tensor:
+    """W b in float64: what a linear layer reading x + b adds to its output on x."""
+    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
+        return torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
+    n = max(1, CHUNK // layer.weight.shape[1])   # Conv1D (in, out): b W summed over row blocks
+    return sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
 
 
 def fold_bias(layer: nn.Module, b: torch.Tensor) -> bool:
     """bias += W b for a reader of a norm whose bias is b; True if the bias had to be created."""
-    if isinstance(layer, nn.Linear):   # (out, in): row blocks of W b
-        shift = torch.cat([part.double() @ b for part in _slices(layer.weight, 0)])
-    else:                              # Conv1D (in, out): b W summed over row blocks
-        n = max(1, CHUNK // layer.weight.shape[1])
-        shift = sum(b[i:i + n] @ layer.weight[i:i + n].double() for i in range(0, layer.weight.shape[0], n))
+    shift = bias_shift(layer, b)
     bias, created = ensure_bias(layer)
     _update(bias, bias.double() + shift)
     return created

@@ -8,6 +8,6 @@ installs and what loading re-applies (in normswap and in plain transformers) is 
 """
 from __future__ import annotations
 
-from normswap.models.portable import add_input_fix, add_output_fix, describe_fix
+from normswap.models.portable import add_input_fix, add_output_fix, centre_input, describe_fix, fixed
 
-__all__ = ["add_input_fix", "add_output_fix", "describe_fix"]
+__all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed"]

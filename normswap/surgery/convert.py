@@ -41,6 +41,8 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
     section["conversions"] = section["conversions"] + [{"to": report.to, "method": report.method,
                                                         "p": report.p, "norms": report.num_converted}]
+    if report.unverified:   # returned outputs this conversion changes: every load of the folder says so
+        section["not_preserved"] = {**section.get("not_preserved", {}), **report.unverified}
     config.normswap = section
 
 
@@ -98,6 +100,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     report.method = result.method
     report.added_biases = result.added_biases
     report.warnings += result.warnings
+    report.not_preserved, report.unverified = result.not_preserved, result.unverified
     for site in sites:
         replace_module(model, site.name, _make_norm(site, to, p))
         report.converted.append(NormRecord(

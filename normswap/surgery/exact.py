@@ -2,14 +2,19 @@
 
 Why it is exact. LN(x) = g*(x - mean x)/sqrt(var x + eps) + b. If every term summed into a norm's input
 has zero mean over the normalised dim, the input has mean 0, so var x = mean(x^2) and
-LN(x) = RMSNorm_g(x) + b with the same eps. What to edit is discovered, not declared: one traced forward
-(`trace`) finds each norm's sources and readers and `plan.derive` turns them into steps:
-1. centre the sources along their output dim (per group of the norm's width, so per head for q/k norms):
-   Linear (out, in) along dim 0, Conv1D (in, out) along dim 1, untied Embedding rows, ConvNd output
-   channels, parameters added to the stream along their last dim, biases included;
+LN(x) = RMSNorm_g(x) + b with the same eps. Centring a source changes the norm's input by a constant along
+each of its rows, which LN ignores: so each row must hold whole centred groups of every source (not a
+concatenation of parts centred apart). What to edit is discovered, not declared: forwards on every sample
+input, traced and merged (`trace`), find each norm's sources and readers, and `plan.derive` turns them into
+steps:
+1. centre the sources along their output dim (per group of channels each norm row covers: per head for
+   q/k norms, only the q and k slices of a fused q/k/v projection): Linear (out, in) along dim 0, Conv1D
+   (in, out) along dim 1, untied Embedding rows, ConvNd output channels (not grouped ones), parameters
+   added to the stream along their last dim (or the dim a product makes channels: stacked expert
+   weights), biases included; a per-channel scale (LayerScale, `lambda * x`) folded into its layer first;
 2. fold each norm bias into the layers reading that norm, c' = c + W b, creating a zero bias where there
-   is none (listed in added_biases); where a reader is not linear (or the norm's output is the model's)
-   the bias is kept after the norm as an output fix instead.
+   is none (listed in added_biases); where a reader is not linear, also reads something else, or the
+   norm's output is returned, the bias is kept after the norm as an output fix instead.
 Arithmetic in float64, results stored in the model's dtype.
 
 Tied embeddings. If lm_head.weight is E, centring E's rows changes the logits by -m_v * sum(y_t)
@@ -23,20 +28,22 @@ A norm whose output is summed into the stream but read by nothing else (BLOOM's 
 pre_layrnorm) is a stream writer: its output is centred and its centred bias kept after it. A norm whose
 output is summed into the stream *and* read by a layer or the output is post-LN: the stream carries
 g*x_hat + b, whose mean depends on the input, so no exact form exists and the model is refused, naming
-the norm. So is a model whose output (or any layer) reads the unnormalised stream.
+the norm. So is a model whose own output (or any layer) reads the unnormalised stream, and one with a
+parameter wide enough to write the stream that no sample input ran (`plan`).
 
-What changes: hidden states inside the model are the centred originals; the model's main output is
-unchanged.
+What changes: hidden states inside the model are the centred originals (`not_preserved` lists them, and
+a sub-model's returned stream); every other returned output is unchanged.
 
-Verification: no copy of the model is made. Before any weight is edited, the model's main outputs on
+Verification: no copy of the model is made. Before any weight is edited, the model's outputs on
 sample inputs are recorded in fp32 (`parity.reference_outputs`); a source whose outputs are NaN/inf is
-refused then, untouched. Once `convert` has swapped the norms, the converted model runs on the same
-inputs and a max relative error above TOLERANCE, or any non-finite output, raises NormswapError:
-1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in place for both runs and cast back (a
-lossless round trip; peak memory is then the fp32 model), and since their rewritten weights are rounded
-when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 / 2e-2.
-When verification fails the in-memory model stays converted (centred, biases folded, norms swapped,
-config.normswap filled): discard it or reload; the CLI saves only after success.
+refused then, untouched. Then the plan is *rehearsed* as forward hooks on the unedited model (`rehearse`):
+above 1e-4 the plan is refused (`auto`: naive, the model untouched). Once the edits are made and the norms
+swapped, the converted model runs on the same inputs and a max relative error above TOLERANCE, or any
+non-finite output, raises VerificationFailed: 1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in
+place for both runs and cast back (a lossless round trip; peak memory is then the fp32 model), and since
+their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 /
+2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
+CLI then converts the source again, naively, under `auto`).
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ from normswap.surgery.algebra import centre_outputs, fold_bias, fold_scale
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.plan import NormPlan, Plan, Step, derive
+from normswap.surgery.rehearse import rehearsal
 from normswap.surgery.trace import trace
 from normswap.surgery.walk import NormSite
 
@@ -66,44 +74,75 @@ class NotExact(NormswapError):
     """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
+class VerificationFailed(NormswapError):
+    """The edited model's outputs differ from the original's beyond tolerance (nothing may be saved)."""
+
+
 def _line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [""])[0]   # errors reach the CLI as one line
 
 
-def plan(model: nn.Module, sites: list[NormSite], inputs: dict | None = None) -> Plan:
-    """Trace `model` once on `inputs` (default: its first sample input) and derive the plan; the plan's
-    `reason` is set where a norm cannot be made exact."""
+def fell_back(reason: Exception | str) -> str:
+    """The warning of `auto` when it converts naively instead."""
+    return (f"no exact conversion: {reason}; fell back to naive, which drops LayerNorm biases and changes "
+            "outputs: measure the change and heal (fine-tune)")
+
+
+def _refused(sites: list[NormSite], reason: str) -> Plan:
+    return Plan({s.name: NormPlan(s.name, s.width, reason=reason) for s in sites}, [])
+
+
+def plan(model: nn.Module, sites: list[NormSite], inputs: dict | list[dict] | None = None) -> Plan:
+    """Trace `model` on `inputs` (default: all its sample inputs, the ones verification uses), merge what
+    every forward showed and derive the plan; the plan's `reason` is set where a norm cannot be made exact."""
     if inputs is None:
         try:
-            inputs = sample_inputs(model, batch=1, seq=8)[0]
+            inputs = sample_inputs(model)
         except Exception as e:  # a model sample_inputs cannot feed
-            return Plan({s.name: NormPlan(s.name, s.width, reason=f"no sample input to trace it ({_line(e)})")
-                         for s in sites}, [])
+            return _refused(sites, f"no sample input to trace it ({_line(e)})")
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
     try:
-        t = trace(model, inputs, norms | {s.name for s in sites})
+        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms | {s.name for s in sites})
     except Exception as e:  # the forward itself failed: say so instead of a traceback
-        return Plan({s.name: NormPlan(s.name, s.width, reason=f"tracing failed: {type(e).__name__}: {_line(e)}")
-                     for s in sites}, [])
-    return derive(model, t, sites)
+        return _refused(sites, f"tracing failed: {type(e).__name__}: {_line(e)}")
+    try:
+        return derive(model, t, sites)
+    except Exception as e:  # never an internal error: a refusal that says what failed
+        return _refused(sites, f"the exact plan could not be derived ({type(e).__name__}: {_line(e)})")
+
+
+def not_preserved(model: nn.Module, p: Plan) -> list[str]:
+    """Returned outputs an exact conversion cannot keep: the residual stream is centred inside the model."""
+    out = [f"{name}: {why}" for name, why in p.not_kept.items()]
+    if hasattr(getattr(model, "config", None), "output_hidden_states"):
+        out.append("hidden_states (output_hidden_states=True): the residual stream inside the model, returned "
+                   "centred (each row minus its mean)")
+    return out
 
 
 def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
     """Methods "exact" and "auto" (in memory and streaming alike): steps.apply(model, sites, plan) where
-    steps.plan(model, sites) finds the model exact; else refuse ("exact") or naive with a warning ("auto")."""
+    steps.plan(model, sites) finds the model exact and the plan passes its rehearsal; else refuse ("exact")
+    or naive with a warning ("auto"). Any failure before the edits falls back: the model is untouched."""
     try:
-        p = steps.plan(model, sites)
+        try:
+            p = steps.plan(model, sites)
+        except NormswapError:
+            raise
+        except Exception as e:
+            raise NotExact(f"the exact plan failed ({type(e).__name__}: {_line(e)})") from None
         if p.reason:
             raise NotExact(p.reason)
+        result = steps.apply(model, sites, p)
     except NotExact as e:
         if method == "exact":
             raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
                                 "heal by fine-tuning) or `method='auto'`") from None
         result = naive(model, sites)
-        result.warnings.append(f"no exact conversion: {e}; fell back to naive, which drops LayerNorm biases "
-                               "and changes outputs: measure the change and heal (fine-tune)")
+        result.warnings.append(fell_back(e))
         return result
-    return steps.apply(model, sites, p)
+    result.not_preserved, result.unverified = not_preserved(model, p), dict(p.not_kept)
+    return result
 
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
@@ -150,10 +189,11 @@ def _fp32_eval(model: nn.Module):
         model.train(training)
 
 
-def _reference(model: nn.Module) -> Reference:
-    """The unedited model's fp32 outputs; a source that gives NaN/inf cannot be called exact."""
+def _reference(model: nn.Module, skip: dict | None = None) -> Reference:
+    """The unedited model's fp32 outputs (but the `skip` ones: name -> why, reported as not preserved); a
+    source that gives NaN/inf cannot be called exact."""
     with _fp32_eval(model):
-        ref = reference_outputs(model)
+        ref = reference_outputs(model, skip=skip)
     if ref.nonfinite:
         raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
                             "sample inputs: it is broken, so no conversion of it can be verified as exact")
@@ -168,7 +208,7 @@ def verify(reference: Reference, model: nn.Module, enforce: bool = True) -> dict
     with _fp32_eval(model):
         parity = compare_to(reference, model)
     if parity.nonfinite:
-        raise NormswapError(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
+        raise VerificationFailed(f"exact conversion failed verification: the converted model gives {parity.nonfinite} "
                             f"non-finite (NaN/inf) {parity.output} values; nothing was saved")
     return judge(parity, dtype, enforce)
 
@@ -177,7 +217,8 @@ def judge(parity, dtype: torch.dtype, enforce: bool) -> dict:
     """The verification record of a finished comparison; NormswapError beyond TOLERANCE when `enforce`."""
     tol = TOLERANCE.get(dtype, 1e-4)
     if enforce and not parity.max_rel <= tol:  # also catches NaN
-        raise NormswapError(f"exact conversion failed verification: max relative {parity.output} error "
+        raise VerificationFailed(f"exact conversion failed verification: max relative "
+                                 f"{parity.worst or parity.output} error "
                             f"{parity.max_rel:.2e} > {tol:g} ({str(dtype)[6:]}); nothing was saved")
     return {**parity.to_dict(), "dtype": str(dtype)[6:], "tolerance": tol, "enforced": enforce}
 
@@ -193,20 +234,36 @@ def bias_fates(p: Plan) -> dict[str, str]:
     return {n: "folded" if q.bias in ("fold", "after", "stream") else "none" for n, q in p.norms.items()}
 
 
+def rehearse(model: nn.Module, sites: list[NormSite], p: Plan, reference: Reference) -> None:
+    """Run the plan as hooks on the unedited model (`rehearse.rehearsal`) against the reference; NotExact
+    (the model untouched) if it is not exact to the fp32 tolerance: then the trace missed something."""
+    try:
+        with _fp32_eval(model), rehearsal(model, sites, p, set(p.uncalled), output_fix):
+            parity = compare_to(reference, model)
+    except Exception as e:
+        raise NotExact(f"the plan could not be rehearsed ({type(e).__name__}: {_line(e)})") from None
+    tol = TOLERANCE[torch.float32]
+    if not parity.finite or not parity.max_rel <= tol:
+        raise NotExact(f"the traced plan failed verification before any edit (max relative "
+                       f"{parity.worst or parity.output} error "
+                       f"{parity.max_rel:.2e} > {tol:g}): the model does something the trace does not see")
+
+
 @torch.no_grad()
 def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
-    reference = _reference(model)   # before any edit: outputs, not a copy
+    reference = _reference(model, p.not_kept)   # before any edit: outputs, not a copy
+    rehearse(model, sites, p, reference)
     fixes: dict[str, tuple[bool, torch.Tensor | None]] = {}
     added: list[str] = []
     inputs: list[str] = []   # blocks whose first input is centred
     for step in p.steps:
         if step.op == "centre":
-            centre_outputs(model, step.target, step.group)
+            centre_outputs(model, step.target, step.group, step.ranges, step.axis)
         elif step.op == "fold":
             b = model.get_submodule(step.norm).bias.detach().double()
             added += [step.target] if fold_bias(model.get_submodule(step.target), b) else []
         elif step.op == "scale":
-            fold_scale(model.get_submodule(step.target), model.get_submodule(step.norm))
+            fold_scale(model, step.target, step.norm)
         elif step.norm == "input":
             inputs.append(step.target)
         else:   # output fixes wait for the swap

@@ -28,7 +28,8 @@ from surgery.test_trace import MODELS
 CASES = {**{name: (lambda n=name: build(n)) for name in FAMILIES},
          **{f"traced-{name}": (lambda m=make: perturb(m()).eval()) for name, (make, _) in MODELS.items()},
          **{name: (lambda m=make: perturb(m()).eval()) for name, make in MAKERS.items()}}
-EXTRA_INPUTS = {f"traced-{name}": inputs for name, (_, inputs) in MODELS.items()}  # other shapes than the samples
+EXTRA_INPUTS = {f"traced-{name}": inputs if isinstance(inputs, list) else [inputs]   # other shapes than the samples
+                for name, (_, inputs) in MODELS.items()}
 
 # Every floating tensor of a model's output, by path (defined once: the child below runs it too).
 FLAT = '''
@@ -105,7 +106,7 @@ def converted(tmp_path_factory):
     for name, make in CASES.items():
         torch.manual_seed(0)
         model = make()
-        inputs = sample_inputs(model) + ([EXTRA_INPUTS[name]] if name in EXTRA_INPUTS else [])
+        inputs = sample_inputs(model) + EXTRA_INPUTS.get(name, [])
         with torch.no_grad():
             want = [main_output(model(**batch))[1].double() for batch in inputs]
         report = normswap.convert(model, method="exact")
@@ -127,7 +128,8 @@ def test_shipped_file_is_the_portable_module_verbatim(converted):
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [n])}
-    assert imported <= {"__future__", "hashlib", "json", "math", "os", "struct", "pathlib", "torch", "transformers"}
+    assert imported <= {"__future__", "hashlib", "json", "math", "os", "struct", "warnings", "pathlib", "torch",
+                        "transformers"}
     # And normswap rebuilds folders with it: the hooks the conversion installs are its functions.
     from normswap.surgery import centring
     assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix

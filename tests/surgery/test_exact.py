@@ -109,16 +109,13 @@ def test_post_ln_variants_refused_from_the_graph(family, kw, reason):
         normswap.convert(model, method="exact")
 
 
-def test_verification_catches_a_wrong_plan(monkeypatch):
-    """A plan that forgets a source must fail loudly, not return a broken model."""
-    real = exact_mod.plan
-
-    def forgetful(model, sites, inputs=None):
-        p = real(model, sites, inputs)
-        p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
-        return p
-    monkeypatch.setattr(exact_mod, "plan", forgetful)
-    with pytest.raises(NormswapError, match="failed verification"):
+def test_verification_catches_a_wrong_plan(forgetful, monkeypatch):
+    """A plan that forgets a source must fail loudly, not return a broken model: before any edit (the
+    rehearsal), and after the edits too when the rehearsal is skipped."""
+    with pytest.raises(NormswapError, match="the traced plan failed verification before any edit"):
+        normswap.convert(build("gpt2"), method="exact")
+    monkeypatch.setattr(exact_mod, "rehearse", lambda *a, **k: None)
+    with pytest.raises(exact_mod.VerificationFailed, match="failed verification: max relative logits error"):
         normswap.convert(build("gpt2"), method="exact")
 
 

@@ -9,7 +9,6 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap import parity
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact, find_norms
@@ -40,8 +39,9 @@ MODELS = {
     "phi-qk_layernorm": (lambda: tf.PhiForCausalLM(tf.PhiConfig(vocab_size=V, hidden_size=D, qk_layernorm=True,
                                                                 **LAYERS)), {"input_ids": _ids()}),
     "vit": (lambda: tf.ViTModel(tf.ViTConfig(**VISION)), {"pixel_values": PIXELS}),
+    # the mask token runs only with bool_masked_pos: a second input covers it
     "dinov2": (lambda: tf.Dinov2Model(tf.Dinov2Config(mlp_ratio=2, **{**VISION, "intermediate_size": None})),
-               {"pixel_values": PIXELS}),
+               [{"pixel_values": PIXELS}, {"pixel_values": PIXELS, "bool_masked_pos": torch.rand(2, 16) > 0.5}]),
     "clip-text": (lambda: tf.CLIPTextModel(tf.CLIPTextConfig(vocab_size=V, hidden_size=D, max_position_embeddings=64,
                                                              **LAYERS)), {"input_ids": _ids()}),
     "clip": (lambda: tf.CLIPModel(tf.CLIPConfig(
@@ -72,20 +72,14 @@ MODELS = {
 }
 
 
+def _listed(inputs) -> list[dict]:
+    return inputs if isinstance(inputs, list) else [inputs]
+
+
 def _build(name: str):
     make, inputs = MODELS[name]
     torch.manual_seed(0)
     return perturb(make()).eval(), inputs
-
-
-@pytest.fixture
-def feed(monkeypatch):
-    """Make the trace and the verification use the given inputs (sample_inputs knows token ids and pixels
-    only; CLIP needs both)."""
-    def use(inputs):
-        for mod in (parity, exact):
-            monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: [inputs])
-    return use
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -94,13 +88,15 @@ def test_traced_exact(name, feed, tmp_path):
     feed(inputs)
     reference, naive = copy.deepcopy(model), copy.deepcopy(model)
     normswap.convert(naive, method="naive")
-    assert compare(reference, naive, [inputs]).max_rel > 0.05   # the perturbation matters
+    assert compare(reference, naive, _listed(inputs)).max_rel > 0.05   # the perturbation matters
     report = normswap.convert(model, method="exact")
     assert not [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
-    assert report.verification["enforced"] and compare(reference, model, [inputs]).max_rel <= 1e-5
+    # outputs the report names as not preserved (a sub-model's returned stream) are the only ones left out
+    assert report.verification["enforced"]
+    assert compare(reference, model, _listed(inputs), report.unverified).max_rel <= 1e-5
     normswap.save_pretrained(model, tmp_path / "m")
     loaded = normswap.from_pretrained(tmp_path / "m")
-    assert compare(model, loaded, [inputs]).max_abs == 0.0
+    assert compare(model, loaded, _listed(inputs)).max_abs == 0.0
 
 
 def test_plan_names_sources_readers_and_bias_fate():
@@ -141,7 +137,7 @@ def test_encoder_decoder_plan():
     assert p.norms["model.encoder.layers.0.self_attn_layer_norm"].sources == ["entry:model.encoder.layers.0"]
     final = p.norms["model.encoder.layer_norm"]
     assert sorted(final.readers) == [f"model.decoder.layers.{i}.encoder_attn.{x}_proj" for i in (0, 1) for x in "kv"]
-    assert final.bias == "fold"
+    assert final.bias == "after"   # also returned as encoder_last_hidden_state: kept as it was
 
 
 def _bert():
@@ -194,8 +190,8 @@ def test_a_hidden_dim_slice_is_a_use_only_when_its_values_are_read(read_values):
     model = perturb(_SliceToy(read_values)).eval()
     p = exact.plan(model, find_norms(model)[0], {"input_ids": _ids()})
     if read_values:
-        assert "emb writes the input of norm but its output is also read unnormalised by operation " \
-               "'__getitem__'" in p.reason
+        assert "emb writes the input of norm but its output is also read unnormalised by operation 'mul'" \
+            in p.reason
     else:
         assert p.reason is None and sorted(p.norms["norm"].sources) == ["layer:emb", "layer:pos"]
 
@@ -248,3 +244,20 @@ def test_default_sample_inputs_drive_encoder_decoders_and_two_towers(name):
     report = normswap.convert(model, method="exact")
     assert report.method == "exact" and report.verification["max_rel"] <= 1e-5
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+def test_outputs_not_preserved_are_named_at_every_load(feed, tmp_path):
+    """CLIPModel returns the vision tower's unnormalised stream: left out of verification, named in the report,
+    recorded in the folder, and named again whenever the folder loads (the same code runs in plain transformers)."""
+    model, inputs = _build("clip")
+    feed(inputs)
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    assert list(report.unverified) == ["vision_model_output.last_hidden_state"]
+    assert "vision_model_output.last_hidden_state" in report.verification["excluded"]
+    assert "vision_model_output.last_hidden_state" not in report.verification["compared"]
+    # it does change (so naming it is not idle), and nothing else does
+    assert compare(reference, model, _listed(inputs)).worst == "vision_model_output.last_hidden_state"
+    normswap.save_pretrained(model, tmp_path / "m")
+    with pytest.warns(UserWarning, match=r"except vision_model_output\.last_hidden_state \(the residual stream"):
+        normswap.from_pretrained(tmp_path / "m")

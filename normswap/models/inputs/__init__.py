@@ -1,0 +1,203 @@
+"""Sample inputs for a model, built from its forward signature, its config (nested text, vision, audio,
+backbone, encoder and decoder configs included) and the sizes its own embeddings expect: what the exact
+plan traces and what verification compares on.
+
+Several batches, so that every path that can write into the residual stream runs in at least one: the
+first turns the optional inputs on (images with their image tokens in multimodal decoders,
+`bool_masked_pos`, token types, layout boxes), the second is a larger batch with right-padded rows
+(and text alone where images are optional). Where a guess needs the model's word (how many image tokens
+one image fills) a trial forward corrects it; an optional input the model then rejects is left out.
+Where no input can be built, a one-line NormswapError names what is missing.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.models.inputs import audio, series, text, vision
+from normswap.models.inputs.context import Ctx, nested_configs
+
+MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "input_values", "past_values",
+         "states")
+# inputs that only switch an optional path on
+OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise")
+# what the model reports when the image tokens in the text do not match its image features
+MISMATCH = re.compile(r"image tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
+
+
+def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> list[dict]:
+    """A few deterministic input batches for `model` (see the module docstring), on its device, floating
+    inputs in its dtype. The first is small (batch 1 where there is text) and turns optional paths on."""
+    ctx = Ctx(model, batch, seq, seed)
+    try:
+        batches = build(ctx)
+    except NormswapError:
+        raise
+    except Exception as e:   # a config this code misreads: say so in one line, not a traceback
+        raise ctx.refuse(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+    return [{k: v.to(ctx.device) if isinstance(v, torch.Tensor) else v for k, v in x.items()} for x in batches]
+
+
+def main_inputs(ctx: Ctx) -> list[str]:
+    """The model's main inputs; where its main_input_name is not in its forward (a vision tower that kept
+    the default "input_ids"), the first input its forward takes that normswap knows how to build."""
+    names = getattr(ctx.model, "main_input_name", "input_ids")
+    names = [n for n in ([names] if isinstance(names, str) else list(names)) if n in ctx.params] or \
+        [next((n for n in [*ctx.required(), *ctx.params] if n in MAINS), names)]
+    unknown = [n for n in names if n not in MAINS]
+    if unknown:
+        raise ctx.refuse(f"its main input `{unknown[0]}` is not one normswap can build (it builds "
+                         f"{', '.join(MAINS)})")
+    return names
+
+
+def build(ctx: Ctx) -> list[dict]:
+    mains = main_inputs(ctx)
+    wide = text.length(ctx, 2 * ctx.seq + 1) if ctx.has("input_ids") else ctx.seq
+    tokens = ctx.has("input_ids") or ctx.has("decoder_input_ids")
+    shapes = [(1 if tokens else ctx.batch, min(ctx.seq, wide), True), (ctx.batch, wide, False)]
+    batches = image_tokens(ctx, [one(ctx, mains, b, s, first) for b, s, first in shapes], mains)
+    batches = [without_rejected(ctx, x) for x in batches]
+    if signature(batches[0]) == signature(batches[1]):   # nothing optional, no text: one batch does
+        batches = batches[1:]
+    missing = [r for r in ctx.required() if r not in batches[0]]
+    if missing:
+        raise ctx.refuse(f"no sample for its required input{'s' * (len(missing) > 1)} "
+                         f"{', '.join(f'`{m}`' for m in missing)}")
+    return batches
+
+
+def signature(x: dict) -> dict:
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+
+
+def takes_images(ctx: Ctx, mains: list[str]) -> bool:
+    return "pixel_values" in mains or ctx.has("pixel_values") and "pixel_values" in ctx.required() or \
+        ctx.has("pixel_values") and (ctx.has("input_ids") or ctx.has("bbox"))
+
+
+def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
+    """One batch: b rows of s tokens (or one image, clip, waveform... per row); `first` turns optional
+    paths on, else rows are right-padded."""
+    x: dict = {}
+    required = set(ctx.required())
+    if ctx.has("input_ids") and ("input_ids" in mains or "input_ids" in required or ctx.integer("vocab_size")):
+        text.text(ctx, x, b, s, padded=not first)
+    text.side_text(ctx, x, b, s, padded=not first)
+    token = vision.image_token(ctx)
+    if takes_images(ctx, mains):
+        optional = "pixel_values" not in mains and "pixel_values" not in required
+        # a decoder that splices image tokens into its text reads text alone too: the second batch
+        if not (token is not None and optional and not first):
+            x["pixel_values"] = vision.pixels(ctx, b, video=vision.frames(ctx) is not None)
+    if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required):
+        x["pixel_values_videos"] = vision.pixels(ctx, b, video=True)
+    if ctx.has("bool_masked_pos") and ("pixel_values" in x or "pixel_values_videos" in x) and \
+            (first and vision.reads_masks(ctx) or "bool_masked_pos" in required):
+        x["bool_masked_pos"] = vision.masked_positions(ctx, b)
+    if ctx.has("noise") and "pixel_values" in x and (n := vision.noise(ctx, b)) is not None:
+        x["noise"] = n
+    if "input_features" in mains or "input_features" in required:
+        x["input_features"] = audio.features(ctx, b, s)
+    if "input_values" in mains or "input_values" in required:
+        x["input_values"] = audio.values(ctx, b, s)
+        if ctx.has("attention_mask") and "input_ids" not in x and x["input_values"].dim() == 2:
+            x["attention_mask"] = text.padded_mask(b, x["input_values"].shape[-1], padded=not first)
+    if "past_values" in mains:
+        series.series(ctx, x, b)
+    if "states" in mains:
+        series.trajectory(ctx, x, b, padded=not first)
+    if ctx.has("decoder_input_ids") and (encoder_decoder(ctx) or "decoder_input_ids" in required):
+        text.decoder(ctx, x, b, s)
+    for name in mains:
+        if name not in x:
+            raise ctx.refuse(f"cannot build its main input `{name}` from the config")
+    return x
+
+
+def without_rejected(ctx: Ctx, x: dict) -> dict:
+    """x, less the optional path switches (masks over patches, boxes, token types) if the model, with
+    weights here, fails on them and runs without them."""
+    extras = [k for k in OPTIONAL if k in x and k not in ctx.required()]
+    if not extras or not ctx.runnable or not run(ctx.model, x):
+        return x
+    plain = {k: v for k, v in x.items() if k not in extras}
+    return x if run(ctx.model, plain) else plain
+
+
+def encoder_decoder(ctx: Ctx) -> bool:
+    return any(getattr(c, "is_encoder_decoder", False) for c in nested_configs(ctx.config))
+
+
+def image_tokens(ctx: Ctx, batches: list[dict], mains: list[str]) -> list[dict]:
+    """Batches of a model that splices image features into its text at image tokens get those tokens.
+    How many one image fills is guessed from the config, then, where the model has weights here, checked
+    by a trial forward that takes the count the model reports (and flattened patches where it wants them:
+    Fuyu). Optional images the model cannot read are left out: their path then stays untraced."""
+    token = vision.image_token(ctx)
+    todo = [i for i, x in enumerate(batches) if token is not None and "pixel_values" in x and "input_ids" in x]
+    if not todo:
+        return batches
+    form, n = "as built", vision.image_tokens_per_image(ctx) or 1
+    if ctx.runnable:
+        found, error = trial(ctx, batches[todo[0]], token, n)
+        if found is None:
+            if "pixel_values" in mains or "pixel_values" in ctx.required():
+                raise ctx.refuse(f"images with image tokens: the model refused every form tried ({error})")
+            return [{k: v for k, v in x.items() if k != "pixel_values"} for x in batches]
+        form, n = found
+    return [spliced(ctx, x, token, n, form) if i in todo else x for i, x in enumerate(batches)]
+
+
+def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None, str]:
+    """((pixel form, tokens per image), "") that the model runs with, or (None, its last error)."""
+    error = ""
+    hidden = ctx.integer("hidden_size", "d_model", prefer=("text_config",), default=1)
+    for form in ("as built", "patches"):
+        counts, tried = [n], set()
+        while counts:
+            count = counts.pop(0)
+            y = spliced(ctx, x, token, count, form) if count not in tried else None
+            if y is None:
+                continue
+            tried.add(count)
+            error = run(ctx.model, y)
+            if not error:
+                return (form, count), ""
+            if m := MISMATCH.search(error):   # features reported per token, or (some models) per value
+                b, f = len(y["pixel_values"]), int(m.group(2))
+                counts += [c // b for c in (f, f // hidden) if c % b == 0 and c >= b and c // b not in tried]
+    return None, error
+
+
+def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
+    """x with n image tokens after the first token of every row (masks and token types grow with them),
+    its images as built or as flattened patches."""
+    y = dict(x)
+    b = y["input_ids"].shape[0]
+    if form == "patches":
+        y["pixel_values"] = vision.flat_patches(ctx, len(x["pixel_values"]))
+        if y["pixel_values"] is None:
+            return None
+    for key, fill in (("input_ids", token), ("attention_mask", 1), ("token_type_ids", 0)):
+        if key in y:
+            v = y[key]
+            y[key] = torch.cat([v[:, :1], torch.full((b, n), fill, dtype=v.dtype), v[:, 1:]], dim=1)
+    return y
+
+
+@torch.no_grad()
+def run(model: nn.Module, x: dict) -> str:
+    """"" if `model(**x)` runs, else the first line of its error; the model's mode is kept."""
+    training = model.training
+    try:
+        model.eval()
+        model(**x)
+        return ""
+    except Exception as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    finally:
+        model.train(training)

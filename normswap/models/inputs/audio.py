@@ -1,0 +1,44 @@
+"""Speech and audio inputs: log-mel features (Whisper, Speech2Text), waveforms sized for a conv feature
+encoder (wav2vec2 family), spectrogram patches without one (AST), raw waveforms for encoders with their
+own convolutional front end (Moonshine) and codecs' (batch, channels, samples)."""
+from __future__ import annotations
+
+import torch
+
+from normswap.models.inputs.context import AUDIO, Ctx
+
+WHISPER_POSITIONS = 1500   # Whisper's 30 s window, where the config names no encoder positions
+WAVEFORM = 4000   # samples (a quarter second at 16 kHz) where the config names no conv stack
+
+
+def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
+    """input_features: Whisper-style (b, mel bins, 2 x encoder positions) or Speech2Text-style
+    (b, frames, features), frames halved by each conv layer."""
+    mels = ctx.integer("num_mel_bins", prefer=AUDIO)
+    if mels is not None and ctx.integer("input_feat_per_channel") is None:
+        positions = ctx.integer("max_source_positions", prefer=AUDIO, default=WHISPER_POSITIONS)
+        return ctx.randn(b, mels, 2 * positions)
+    width = ctx.integer("input_feat_per_channel", "feature_projection_input_dim", prefer=AUDIO)
+    if width is None:
+        raise ctx.refuse("`input_features` without num_mel_bins (Whisper) or input_feat_per_channel (Speech2Text)")
+    limit = ctx.integer("max_source_positions", prefer=AUDIO, default=s)
+    frames = 2 ** ctx.integer("num_conv_layers", default=1) * min(s, limit)
+    return ctx.randn(b, frames, width * ctx.integer("input_channels", default=1))
+
+
+def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
+    """input_values: a waveform that a wav2vec2-style conv feature encoder turns into s frames; AST's
+    (b, max_length, mel bins) spectrogram; codecs' (b, channels, samples); else a raw waveform."""
+    kernels, strides = ctx.value("conv_kernel", prefer=AUDIO), ctx.value("conv_stride", prefer=AUDIO)
+    if kernels and strides:
+        n = s
+        for k, st in reversed(list(zip(kernels, strides))):
+            n = (n - 1) * st + k
+        return ctx.randn(b, n)
+    mels, frames = ctx.integer("num_mel_bins", prefer=AUDIO), ctx.integer("max_length", prefer=AUDIO)
+    if mels is not None and frames is not None:   # AST: a spectrogram cut into patches
+        return ctx.randn(b, frames, mels)
+    audio_channels = ctx.integer("audio_channels", prefer=AUDIO)
+    if audio_channels is not None:
+        return ctx.randn(b, audio_channels, WAVEFORM)
+    return ctx.randn(b, WAVEFORM)

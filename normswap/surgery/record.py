@@ -1,0 +1,398 @@
+"""The recorder behind `trace`: a TorchFunctionMode plus hooks on known leaves that give every followed
+tensor a `flow.Flow` and record, per norm call, its input; per leaf, what it read; per label, who used it
+(see `trace` for the whole story and `rules` for the operations)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from normswap.models.introspect import is_conv1d
+from normswap.parity import main_output
+from normswap.surgery import rules
+from normswap.surgery.flow import ZERO, Flow, NormInput, decode, norm_input, opaque
+
+# Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
+IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
+          "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
+MHA = "multi_head_attention_forward"
+PRODUCTS = {"linear", "matmul", "__matmul__", "bmm", "mm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+# Moves whose other tensor arguments are indices, masks or zeros, not values moved.
+INDEXED = {"__getitem__", "index_select", "gather", "take_along_dim", "masked_fill", "masked_fill_", "where",
+           "__setitem__", "index_put", "index_put_", "embedding", "repeat_interleave", "roll", "pad", "unfold",
+           "expand_as", "view_as", "reshape_as"}
+
+
+@dataclass
+class Trace:
+    """What the forwards showed. Labels are "layer:", "norm:", "param:", "scale:", "entry:" + a name."""
+
+    calls: dict[str, list[NormInput]] = field(default_factory=lambda: defaultdict(list))   # norm -> calls
+    readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))       # norm -> layers
+    reads: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))           # layer -> inputs
+    uses: dict[str, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
+    fed_norms: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))       # label -> norms
+    scales: dict[str, list[Flow]] = field(default_factory=lambda: defaultdict(list))       # scale -> inputs
+    widths: dict[str, int] = field(default_factory=dict)                                   # label -> width
+    ran: set[str] = field(default_factory=set)                                             # parameters
+    called: set[str] = field(default_factory=set)                                          # hooked leaves
+    poison: dict[str, str] = field(default_factory=dict)     # user -> the opaque value it mixed the stream with
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in obj, a tensor or a (nested) list, tuple or dict of them."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
+
+
+def named_outputs(obj, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every tensor a forward returned: `encoder_last_hidden_state`,
+    `vision_model_output.last_hidden_state`, `hidden_states.2`... (caches are left out)."""
+    if isinstance(obj, torch.Tensor):
+        return [(prefix.rstrip("."), obj)]
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for t in named_outputs(v, f"{prefix}{k}.")]
+    if isinstance(obj, (list, tuple)):
+        return [t for i, v in enumerate(obj) for t in named_outputs(v, f"{prefix}{i}.")]
+    return []
+
+
+def is_scale(module: nn.Module) -> bool:
+    """A per-channel scale (LayerScale): one 1-D parameter, not a linear layer or an embedding."""
+    params = list(module.parameters(recurse=False))
+    return len(params) == 1 and params[0].dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def in_width(module: nn.Module) -> int:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    return module.weight.shape[0] if is_conv1d(module) else -1
+
+
+class Recorder(TorchFunctionMode):
+    def __init__(self, model: nn.Module, norms: set[str]):
+        super().__init__()
+        self.trace = Trace()
+        self.flows: dict[int, tuple[torch.Tensor, Flow]] = {}
+        self.params = {id(p): n for n, p in model.named_parameters()}
+        self.by_name = dict(model.named_parameters())
+        self.owner = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
+        self.norms = norms
+        self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
+        self.stack: list[str] = []       # the modules being run, for messages
+        self.pending: dict[int, tuple[torch.Tensor, Flow, str]] = {}   # slices not read yet
+        self.deferred: list[tuple[str, Flow]] = []                       # uses of rearranged tensors
+
+    def get(self, x: torch.Tensor) -> Flow | None:
+        """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
+        if not x.is_floating_point():
+            return None
+        held = self.flows.get(id(x))
+        if held is not None and held[0] is x:
+            return held[1]
+        if id(x) in self.params:
+            return Flow(frozenset({"param:" + self.params[id(x)]}))
+        return None
+
+    def set(self, x: torch.Tensor, flow: Flow) -> None:
+        self.flows[id(x)] = (x, flow)
+
+    def where(self) -> str:
+        return f" in {self.stack[-1]}" if self.stack and self.stack[-1] else ""
+
+    def use(self, x: torch.Tensor | None, flow: Flow, user: str) -> None:
+        """`user` reads the values of x (flow `flow`): record which labels, all channels; for a rearranged
+        tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
+        if not flow.pure or flow.zero:
+            return
+        if flow.codes is not None:
+            self.deferred.append((user, flow))
+        for label in flow.labels:
+            self.trace.uses[label].setdefault(user, None if flow.codes is None else frozenset())
+            if flow.codes is None:
+                self.trace.uses[label][user] = None
+
+    def finish(self) -> None:
+        """The channels read by the deferred uses, for labels some norm reads (the rest: present, all)."""
+        sources = {label for calls in self.trace.calls.values() for call in calls for label in call.sources}
+        for user, flow in self.deferred:
+            wanted = [(p, labels & sources) for p, (labels, _) in enumerate(flow.parts) if labels & sources]
+            part, _, chan = decode(flow.codes, flow.parts) if wanted else (None, None, None)
+            for p, labels in wanted:
+                seen = frozenset(chan[part == p].unique().tolist())
+                for label in labels:
+                    held = self.trace.uses[label].get(user)
+                    self.trace.uses[label][user] = None if held is None else held | seen
+            for label in flow.labels - sources:
+                self.trace.uses[label][user] = None
+        self.deferred.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name == "__get__" and tensors_in(out):   # a property giving a tensor: .data, .T, .mT...
+            name = "__get__." + getattr(getattr(func, "__self__", None), "__name__", "")
+        ins = tensors_in((args, kwargs))
+        values = name not in IGNORE and (name != "__get__" or bool(tensors_in(out)))   # not .shape, .is_meta
+        for x in ins if values else ():
+            if id(x) in self.params:
+                self.trace.ran.add(self.params[id(x)])
+            if self.pending:   # values read
+                self.read(x)
+        if self.inside is None and name not in IGNORE:
+            self.record(func, name, args, kwargs, out, ins)
+        return out
+
+    def read(self, x: torch.Tensor) -> None:
+        """x's values are read: a pending slice becomes a use."""
+        held = self.pending.get(id(x))
+        if held is not None and held[0] is x:
+            del self.pending[id(x)]
+            self.use(x, held[1], held[2])
+
+    def record(self, func, name: str, args, kwargs, out, ins: list[torch.Tensor]) -> None:
+        outs = tensors_in(out)
+        if name in rules.ZEROS and outs:
+            self.set(outs[0], ZERO)
+            return
+        tracked = [(x, f) for x in ins if (f := self.get(x)) is not None]
+        inplace = name == "__setitem__" or name.endswith("_") and not name.endswith("__")
+        if inplace and ins and ins[0] is args[0]:
+            outs = [args[0]]
+        if name == MHA and outs:   # nn.MultiheadAttention: its output is its out_proj's
+            self._mha(args, kwargs, tracked, outs)
+            return
+        if not outs or not tracked:
+            return
+        flows = self.rule(func, name, args, kwargs, tracked, outs, ins)
+        if isinstance(flows, (str, Flow)):   # opaque: the pure inputs are used here
+            user = f"operation '{name}'{self.where()}"
+            if isinstance(flows, Flow):   # mixed with an opaque value: that value is the cause
+                self.trace.poison[user] = flows.opaque
+            for x, f in tracked:
+                self.use(x, f, user)
+            labels = frozenset().union(*(f.labels for _, f in tracked))
+            why = flows + self.where() if isinstance(flows, str) else flows.opaque   # an opaque input's cause
+            flows = [opaque(labels, why)] * len(outs)
+        for o, f in zip(outs, flows):   # no flows: the output is not followed
+            if o.is_floating_point():
+                self.set(o, f)
+
+    def rule(self, func, name, args, kwargs, tracked, outs, ins) -> list[Flow] | str | Flow:
+        """The flows of `outs`; or why this operation makes them opaque; or the opaque input whose cause they
+        inherit. Opaque inputs act as weights in products and pools (a per-token routing weight), and poison
+        sums and moves."""
+        pure = [(x, f) for x, f in tracked if f.pure]
+        dark = next((f for _, f in tracked if not f.pure), None)   # poisons sums and moves, weights products
+        if not pure:
+            return dark
+        others = [a for a in (*args, *kwargs.values()) if not isinstance(a, torch.Tensor) or
+                  (f := self.get(a)) is None or not f.pure]
+        untracked = [x for x in ins if self.get(x) is None]
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (name == "__setitem__" or name.endswith("_") and not name.endswith("__")) and \
+                (target is None or all(x is not target for x, _ in pure)):
+            return f"in-place {name} into a value the trace does not follow"
+        if name in rules.IDENTITY or name in rules.CLAMP and rules.overflow_guard(args, kwargs):
+            first = self.get(target) if target is not None else None   # type_as(y), to(y): y gives a dtype
+            return [] if first is None else first if not first.pure else [first] * len(outs)
+        if name in rules.MOVE:
+            if dark:
+                return dark
+            if untracked and name not in INDEXED:
+                return f"{name} with a value the trace does not follow"
+            return rules.rearranged(func, name, args, kwargs, pure, outs)
+        if name in rules.SUM:
+            if dark:
+                return dark
+            if untracked or any(isinstance(a, (int, float)) and a and a is not kwargs.get("alpha")
+                                        for a in args[1:]):
+                return f"{name} of a value the trace does not follow"
+            flow = rules.combined(pure, outs[0])
+        elif name in rules.SCALE:
+            flow = self._scale(name, args, pure, others, outs[0])
+        elif name in PRODUCTS and (flow := self._weights(name, args, kwargs)) is not None:
+            pass
+        elif name in rules.ACCUMULATE and dark:
+            return dark
+        elif name in rules.REDUCE or name in rules.POOL or name in rules.RESAMPLE or name in rules.MATMUL \
+                or name in rules.ACCUMULATE or name == "einsum":
+            flow = rules.mixed(name, args, kwargs, pure, others, outs[0])
+        else:
+            return name
+        return flow if isinstance(flow, str) else [flow] * len(outs)
+
+    def _scale(self, name, args, pure, others, out) -> Flow | str:
+        if len(pure) == 2:   # stream * per-channel parameter: a scale, folded like LayerScale
+            for (_, f), (p, g) in (pure, pure[::-1]):
+                if name.startswith(("mul", "__mul", "__rmul", "__imul")) and \
+                        rules.channel_scale(p, g, out, f.hd if f.codes is None else None) and \
+                        all(label.startswith("layer:") for label in f.labels):
+                    label = "scale:" + next(iter(g.labels))[6:]
+                    self.trace.scales[label].append(f)
+                    return Flow(frozenset({label}), hd=f.hd, plain=False)
+        return rules.scaled(name, args, pure, others, out)
+
+    def _weights(self, name: str, args, kwargs) -> Flow | None:
+        """A product of computed values and a parameter (F.linear, matmul, bmm, grouped_mm: experts' stacked
+        weights, by hand): the output's channels are one dim of the parameter, which is centred along it
+        ("param:<name>#<dim>", the last dim when no # is given). None: not such a product."""
+        a = args[0] if args else kwargs.get("input")
+        b = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("mat2", kwargs.get("other")))
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            return None
+        af, bf = self.get(a), self.get(b)
+        if name == "linear":   # x W^T: channels are W's rows
+            w, j, x = b, -2, af
+        elif bf is not None and bf.pure and not (af is not None and af.pure):
+            w, j, x = b, -1, af
+        else:   # W x: channels are W's rows, at the output's dim -2
+            w, j, x = a, -2, bf
+        label = self._param_dim(w, self.get(w), j)
+        if label is None or x is not None and x.pure:
+            return None
+        flow = Flow(frozenset({label}), hd=-1 if name == "linear" or w is b else -2, plain=False)
+        bias = kwargs.get("bias", args[2] if name == "linear" and len(args) > 2 else None)
+        if bias is not None:
+            bflow = self.get(bias)
+            if bflow is None or not bflow.pure or bflow.codes is not None or bflow.hd != -1:
+                return None
+            flow = Flow(flow.labels | bflow.labels, hd=-1, plain=False)
+        return flow
+
+    def _param_dim(self, w: torch.Tensor, flow: Flow | None, j: int) -> str | None:
+        """The label of the parameter whose dim shows as w's dim j (a view: by strides; a copy indexed on
+        leading dims: its trailing dims)."""
+        if flow is None or not flow.pure or flow.codes is not None or len(flow.labels) != 1 or w.dim() < 2:
+            return None
+        label = next(iter(flow.labels))
+        p = self.by_name.get(label[6:]) if label.startswith("param:") else None
+        if p is None or p.dim() < 2:
+            return None
+        j %= w.dim()
+        if w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+            dims = [k for k in range(p.dim()) if p.stride(k) == w.stride(j) and p.shape[k] == w.shape[j]]
+            if len(dims) != 1:
+                return None
+            k = dims[0] - p.dim()
+        elif flow.hd == -1 and tuple(w.shape[-2:]) == tuple(p.shape[-2:]) and j >= w.dim() - 2:
+            k = j - w.dim()
+        else:
+            return None
+        return label if k == -1 else f"{label}#{k}"
+
+    def _mha(self, args, kwargs, tracked, outs) -> None:
+        """F.multi_head_attention_forward: the attention output is its out_proj's output (a Linear); the
+        query, key and value are read (used)."""
+        for x, f in tracked:
+            self.use(x, f, f"nn.MultiheadAttention{self.where()}")
+        weight = kwargs.get("out_proj_weight", args[11] if len(args) > 11 else None)
+        if id(weight) in self.params:
+            layer = self.owner[id(weight)]
+            self.set(outs[0], Flow(frozenset({"layer:" + layer}), hd=-1))
+            self.trace.widths["layer:" + layer] = outs[0].shape[-1]
+        for o in outs[1:]:
+            self.set(o, opaque(frozenset(), "attention weights"))
+
+    def entry(self, name: str, args, kwargs) -> None:
+        """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
+        "entry:<block>", centred by a pre-hook on the block if a norm reads it."""
+        self.stack.append(name)
+        x = next(iter(tensors_in((args, kwargs))), None)
+        flow = None if x is None else self.get(x)
+        if self.inside is None and flow is not None and flow.opaque and x.dim() > 1:
+            self.set(x, Flow(frozenset({"entry:" + name})))
+            self.trace.widths["entry:" + name] = x.shape[-1]
+
+    def leave(self) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    # Hooks of the known leaves.
+    def pre(self, name: str, module: nn.Module, args, kwargs) -> None:
+        self.trace.called.add(name)
+        self.trace.ran.update(f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False))
+        x = next(iter(tensors_in((args, kwargs))), None)
+        flow = None if x is None else self.get(x)
+        if name in self.norms:
+            self._norm_input(name, x, flow)
+        elif flow is not None and flow.pure and not flow.zero and is_scale(module) and flow.codes is None \
+                and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
+            self.trace.scales["layer:" + name].append(flow)   # foldable into the layer before: not a use
+            self.inside = name
+            return
+        else:
+            self._leaf_reads(name, module, x, flow)
+        self.inside = name
+
+    def _leaf_reads(self, name: str, module: nn.Module, x, flow: Flow | None) -> None:
+        single = flow is not None and flow.pure and flow.codes is None and len(flow.labels) == 1
+        norm = next(iter(flow.labels))[5:] if single and next(iter(flow.labels)).startswith("norm:") else None
+        if norm is not None and flow.plain and flow.hd == -1 and x.shape[-1] == in_width(module):
+            if name not in self.trace.readers[norm]:
+                self.trace.readers[norm].append(name)
+            self.trace.reads[name].add("norm:" + norm)
+            return
+        self.trace.reads[name].add("other")
+        if flow is not None and flow.pure and flow.codes is not None:
+            self.pending[id(x)] = (x, flow, f"{name} ({type(module).__name__})")
+        elif flow is not None:
+            self.use(x, flow, f"{name} ({type(module).__name__})")
+
+    def _norm_input(self, name: str, x, flow: Flow | None) -> None:
+        if flow is None:
+            call = NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
+        elif not flow.pure:
+            call = NormInput({label: frozenset() for label in flow.labels}, flow.opaque)
+        elif flow.zero:
+            call = NormInput({})
+        elif flow.codes is None and flow.hd != -1:
+            call = NormInput({}, "normalisation over a dim other than the hidden one")
+        elif flow.codes is None:
+            w = x.shape[-1]
+            call = NormInput({label: frozenset({(0, w)}) for label in flow.labels})
+            for label in flow.labels:
+                self.trace.widths.setdefault(label, w)
+        else:
+            call = norm_input(flow)
+            for labels, w in flow.parts:
+                for label in labels:
+                    self.trace.widths.setdefault(label, w)
+        for label in call.sources:
+            self.trace.fed_norms[label].add(name)
+        self.trace.calls[name].append(call)
+
+    def post(self, name: str, module: nn.Module, out) -> None:
+        self.inside = None
+        first = next(iter(tensors_in(out)), None)
+        if first is not None and first.dim():
+            conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+            label = ("norm:" if name in self.norms else "layer:") + name
+            self.set(first, Flow(frozenset({label}), hd=1 - first.dim() if conv else -1))
+            self.trace.widths[label] = first.shape[1 if conv else -1]
+
+    def outputs(self, out) -> None:
+        """Every floating tensor returned is read by "the model output" (the main one) or "the model output
+        `<name>`" (see `plan`: what it means for a norm's bias and for the centred stream)."""
+        named = named_outputs(out)
+        try:
+            main = out if isinstance(out, torch.Tensor) else main_output(out)[1]
+        except (KeyError, IndexError, TypeError):   # an output parity does not know: its first tensor
+            main = named[0][1] if named else None
+        for name, t in named:
+            if not t.is_floating_point():
+                continue
+            self.read(t)
+            flow = self.get(t)
+            if flow is None or not flow.pure or flow.zero:
+                continue
+            self.use(t, flow, "the model output" if t is main else f"the model output '{name}'")

@@ -1,0 +1,211 @@
+"""Sample inputs for every modality, from the forward signature and the (nested) config: shapes as the
+config says, and every parameter that hand-written inputs exercising each path run is run by them too."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.models.inputs import sample_inputs
+
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+VIT = dict(TINY, image_size=32, patch_size=8)
+DINO = dict(model_type="dinov2", image_size=28, patch_size=14, out_indices=[1, 2],
+            out_features=["stage1", "stage2"], reshape_hidden_states=False, **TINY)
+
+
+def used(model: nn.Module, batches: list[dict]) -> set[str]:
+    """Parameters that receive a gradient from the sum of every floating output over `batches`."""
+    model.zero_grad(set_to_none=True)
+    for x in batches:
+        out = model(**x)
+        values = [v for v in (out.to_tuple() if hasattr(out, "to_tuple") else [out])
+                  if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        sum(v.double().sum() for v in values).backward()
+    return {n for n, p in model.named_parameters() if p.grad is not None}
+
+
+def build(cls, **config) -> nn.Module:
+    torch.manual_seed(0)
+    return cls(cls.config_class(**config)).eval()
+
+
+def ids(n: int, shape) -> torch.Tensor:
+    return torch.randint(3, n, shape, generator=torch.Generator().manual_seed(5))
+
+
+VIDEO = [
+    (tf.VivitModel, dict(TINY, image_size=32, num_frames=4, tubelet_size=[2, 8, 8])),
+    (tf.VideoMAEModel, dict(VIT, num_frames=4, tubelet_size=2, use_mean_pooling=False)),
+    (tf.TimesformerModel, dict(VIT, num_frames=4)),
+]
+
+
+@pytest.mark.parametrize("cls,config", VIDEO, ids=lambda v: getattr(v, "__name__", ""))
+def test_video_models_get_clips_with_a_frames_axis(cls, config):
+    model = build(cls, **config)
+    batches = sample_inputs(model)
+    assert batches[-1]["pixel_values"].shape == (2, 4, 3, 32, 32)     # (batch, frames, channels, h, w)
+    if "bool_masked_pos" in batches[0]:                                # VideoMAE: the same count per row
+        mask = batches[0]["bool_masked_pos"]
+        assert mask.shape == (2, 2 * 16) and len(set(mask.sum(1).tolist())) == 1 and mask.any()
+    clip = torch.randn(2, 4, 3, 32, 32)
+    assert used(model, batches) >= used(model, [{"pixel_values": clip}])
+
+
+def test_spectrogram_and_raw_waveform_audio():
+    ast = build(tf.ASTModel, **dict(TINY, max_length=32, num_mel_bins=16, patch_size=8, frequency_stride=8,
+                                    time_stride=8))
+    (x,) = sample_inputs(ast)
+    assert x["input_values"].shape == (2, 32, 16)                      # (batch, max_length frames, mel bins)
+    moon = build(tf.MoonshineForConditionalGeneration, hidden_size=32, intermediate_size=64, vocab_size=50,
+                 encoder_num_hidden_layers=1, decoder_num_hidden_layers=1, encoder_num_attention_heads=2,
+                 decoder_num_attention_heads=2, encoder_num_key_value_heads=2, decoder_num_key_value_heads=2,
+                 decoder_start_token_id=1)
+    batches = sample_inputs(moon)
+    assert [x["input_values"].dim() for x in batches] == [2, 2] and (batches[1]["decoder_input_ids"][:, 0] == 1).all()
+    assert batches[1]["attention_mask"][1:].sum() < batches[1]["attention_mask"][0].sum()   # a padded row
+    own = {"input_values": torch.randn(1, 4000), "decoder_input_ids": ids(50, (1, 5))}
+    assert used(moon, batches) >= used(moon, [own])
+
+
+def test_multi_codebook_ids_and_trajectories_and_time_series():
+    music = build(tf.MusicgenForCausalLM, num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64,
+                  num_hidden_layers=2, num_attention_heads=2)
+    one, two = sample_inputs(music)
+    assert one["input_ids"].shape[0] == 2 and two["input_ids"].shape[0] == 4    # batch x codebooks rows
+    assert two["attention_mask"].shape == (2, two["input_ids"].shape[1])
+    dt = build(tf.DecisionTransformerModel, state_dim=5, act_dim=3, hidden_size=32, n_layer=2, n_head=2,
+               max_ep_len=32, n_positions=64)
+    x = sample_inputs(dt)[-1]
+    assert x["states"].shape[-1] == 5 and x["actions"].shape[-1] == 3 and x["returns_to_go"].shape[-1] == 1
+    assert int(x["timesteps"].max()) < 32 and x["attention_mask"][1:].sum() < x["attention_mask"][0].sum()
+    tst = build(tf.TimeSeriesTransformerModel, prediction_length=4, context_length=8, lags_sequence=[1, 2, 3],
+                num_time_features=2, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32)
+    x = sample_inputs(tst)[-1]
+    assert x["past_values"].shape == (2, 8 + 3) and x["past_time_features"].shape == (2, 11, 2)
+    assert x["future_values"].shape == (2, 4)                          # the decoder runs too
+    patch = build(tf.PatchTSTModel, num_input_channels=2, context_length=32, patch_length=8, patch_stride=8,
+                  d_model=32, num_attention_heads=2, num_hidden_layers=2, ffn_dim=64)
+    assert sample_inputs(patch)[-1]["past_values"].shape == (2, 32, 2)
+
+
+@pytest.mark.parametrize("cls,config", [
+    (tf.DepthAnythingForDepthEstimation, dict(backbone_config=DINO, neck_hidden_sizes=[16, 32], fusion_hidden_size=16,
+                                              reassemble_hidden_size=32, reassemble_factors=[2, 1], patch_size=14)),
+    (tf.VitPoseForPoseEstimation, dict(backbone_config=dict(model_type="vitpose_backbone", image_size=[32, 24],
+                                                            patch_size=[8, 8], out_indices=[2], mlp_ratio=2,
+                                                            out_features=["stage2"], **TINY))),
+], ids=["depth_anything", "vitpose"])
+def test_image_size_from_a_backbone_config(cls, config):
+    """The size sits in backbone_config only (it was TypeError: 'NoneType' object is not iterable); a stand-in
+    like streaming's (config and forward, no weights) gets the same shapes."""
+    model = build(cls, **config)
+    size = model.config.backbone_config.image_size
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    (x,) = sample_inputs(model)
+    assert x["pixel_values"].shape == (2, 3, *size)
+    stand_in = types.SimpleNamespace(config=model.config, main_input_name="pixel_values", forward=model.forward,
+                                     parameters=lambda: iter([torch.empty(0)]))
+    assert [set(b) for b in sample_inputs(stand_in)] == [{"pixel_values"}]
+
+
+@pytest.mark.parametrize("cls", [tf.DeiTForMaskedImageModeling, tf.Dinov2Model, tf.BeitForMaskedImageModeling])
+def test_masked_image_paths_run(cls):
+    """bool_masked_pos in the first batch (the mask token writes the stream), none in the second."""
+    extra = dict(encoder_stride=8) if cls is not tf.Dinov2Model else {}
+    model = build(cls, **VIT, **extra, **(dict(use_mask_token=True) if cls is tf.BeitForMaskedImageModeling else {}))
+    first, second = sample_inputs(model)
+    assert first["bool_masked_pos"].shape == (2, 16) and "bool_masked_pos" not in second
+    mine = used(model, [first, second])
+    assert any(n.endswith("mask_token") for n in mine)
+    assert mine >= used(model, [{"pixel_values": torch.randn(2, 3, 32, 32),
+                                 "bool_masked_pos": torch.ones(2, 16, dtype=torch.bool)}])
+
+
+def test_a_mask_slot_left_empty_gets_no_mask():
+    swin = build(tf.SwinModel, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, image_size=32,
+                 patch_size=4)
+    assert all("bool_masked_pos" not in x for x in sample_inputs(swin))
+
+
+def test_fuyu_gets_patches_and_image_tokens():
+    """Fuyu's image path (vision_embed_tokens) runs: flattened patches and as many image tokens as patches."""
+    model = build(tf.FuyuForCausalLM, image_size=16, patch_size=8, num_channels=3, image_token_id=98,
+                  text_config=dict(vocab_size=99, max_position_embeddings=64, **TINY))
+    first, second = sample_inputs(model)
+    assert first["pixel_values"].shape == (1, 4, 3 * 8 * 8) and int((first["input_ids"] == 98).sum()) == 4
+    assert "pixel_values" not in second and not (second["input_ids"] == 98).any()   # text alone, padded
+    assert {"model.vision_embed_tokens.weight", "model.vision_embed_tokens.bias"} <= used(model, [first])
+
+
+def test_llava_image_tokens_counted_by_the_model():
+    vision = dict(TINY, image_size=32, patch_size=8, projection_dim=16)
+    text = dict(TINY, vocab_size=120, num_key_value_heads=2, max_position_embeddings=128)
+    model = build(tf.LlavaForConditionalGeneration, vision_config=dict(model_type="clip_vision_model", **vision),
+                  text_config=dict(model_type="llama", **text), image_token_id=110, image_seq_length=3,
+                  vision_feature_layer=-1)
+    first, second = sample_inputs(model)
+    assert int((first["input_ids"] == 110).sum()) == 16          # 16 patches, not the config's stale 3
+    assert first["pixel_values"].shape == (1, 3, 32, 32) and not (second["input_ids"] == 110).any()
+    assert any(n.startswith("model.vision_tower") for n in used(model, [first]))
+
+
+def test_token_types_padding_and_decoder_inputs():
+    bert = build(tf.BertModel, vocab_size=60, type_vocab_size=2, max_position_embeddings=64, **TINY)
+    first, second = sample_inputs(bert)
+    types_ = second["token_type_ids"]
+    assert (types_[:, 0] == 0).all() and (types_[:, -1] == 1).all() and types_.shape == second["input_ids"].shape
+    assert (second["input_ids"][second["attention_mask"] == 0] == bert.config.pad_token_id).all()
+    mbart = build(tf.MBartForConditionalGeneration, vocab_size=60, d_model=32, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                  max_position_embeddings=20, decoder_start_token_id=3)
+    x = sample_inputs(mbart)[1]
+    assert x["attention_mask"][1:].sum() < x["attention_mask"][0].sum()   # padded encoder rows, kept
+    assert x["decoder_input_ids"].shape[1] <= 20 and (x["decoder_input_ids"][:, 0] == 3).all()
+
+
+def test_vit_mae_noise_makes_runs_agree():
+    """ViT-MAE masks at random unless given `noise`: sample inputs carry it, so two runs give the same."""
+    model = build(tf.ViTMAEForPreTraining, **VIT, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                  decoder_num_attention_heads=2, decoder_intermediate_size=64, mask_ratio=0.5)
+    (x,) = sample_inputs(model)
+    assert x["noise"].shape == (2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(**x).logits, model(**x).logits)
+
+
+class Unknown(nn.Module):
+    main_input_name = "inputs"
+
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(vocab_size=10)
+        self.layer = nn.Linear(2, 2)
+
+    def forward(self, inputs, attention_mask=None):
+        return self.layer(inputs)
+
+
+class NeedsMore(Unknown):
+    main_input_name = "input_ids"
+
+    def forward(self, input_ids, spatial_shapes):
+        return self.layer(input_ids.float())
+
+
+@pytest.mark.parametrize("model,message", [
+    (Unknown(), "cannot build sample inputs for Unknown: its main input inputs is not one normswap can build"),
+    (NeedsMore(), "cannot build sample inputs for NeedsMore: no sample for its required input spatial_shapes"),
+    (build(tf.PerceiverModel, d_model=32, d_latents=32, num_latents=4, num_blocks=1, num_self_attends_per_block=1,
+           num_self_attention_heads=2, num_cross_attention_heads=2), "its main input inputs"),
+])
+def test_what_cannot_be_built_is_named_in_one_line(model, message):
+    with pytest.raises(NormswapError) as e:
+        sample_inputs(model)
+    assert message in str(e.value) and "\n" not in str(e.value)
