@@ -101,6 +101,11 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     report.added_biases = result.added_biases
     report.warnings += result.warnings
     report.not_preserved, report.unverified = result.not_preserved, result.unverified
+    if result.kept:   # exact for the others; these could not be, and stay as they are
+        report.skipped += [{"name": s.name, "cls": type(s.module).__name__,
+                            "reason": f"kept as it is so that the rest converts exactly: {result.kept[s.name]}"}
+                           for s in sites if s.name in result.kept]
+        sites = [s for s in sites if s.name not in result.kept]
     for site in sites:
         replace_module(model, site.name, _make_norm(site, to, p))
         report.converted.append(NormRecord(

@@ -127,13 +127,26 @@ def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: E
     try:
         try:
             p = steps.plan(model, sites)
+            first, kept = p.reason, keepable(p, sites)
+            if kept:   # the other norms may be exact without these: plan them alone, these stay LayerNorm
+                retry = steps.plan(model, [s for s in sites if s.name not in kept])
+                if retry.reason:
+                    kept = {}
+                else:
+                    sites, p = [s for s in sites if s.name not in kept], retry
         except NormswapError:
             raise
         except Exception as e:
             raise NotExact(f"the exact plan failed ({type(e).__name__}: {_line(e)})") from None
         if p.reason:
             raise NotExact(p.reason)
-        result = steps.apply(model, sites, p)
+        try:
+            result = steps.apply(model, sites, p)
+        except NotExact:   # the rehearsal says keeping them was not enough: the first cause is the true one
+            if kept:
+                raise NotExact(first) from None
+            raise
+        result.kept = kept
     except NotExact as e:
         if method == "exact":
             raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
@@ -143,6 +156,17 @@ def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: E
         return result
     result.not_preserved, result.unverified = not_preserved(model, p), dict(p.not_kept)
     return result
+
+
+def keepable(p: Plan, sites: list[NormSite]) -> dict[str, str]:
+    """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
+    exact RMSNorms: none where the model is post-LN or a parameter never ran (those concern every norm), or
+    where every norm is refused. A LayerNorm ignores the mean its input loses when the stream's writers are
+    centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
+    refused = {n: q.reason for n, q in p.norms.items() if q.reason}
+    if p.reasons or not refused or len(refused) >= len(sites) or any("post-LN" in r for r in refused.values()):
+        return {}
+    return refused
 
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:

@@ -25,6 +25,7 @@ class MethodResult:
     per_norm_method: dict[str, str] = field(default_factory=dict)  # when methods differ per norm
     not_preserved: list[str] = field(default_factory=list)         # returned outputs that change, and why
     unverified: dict[str, str] = field(default_factory=dict)       # of those, the ones by name: not compared
+    kept: dict[str, str] = field(default_factory=dict)             # norms left as they were -> why
 
     def after_swap(self, model: nn.Module, report) -> None:
         """Called by `convert` once the norms are swapped (exact finishes and verifies here)."""

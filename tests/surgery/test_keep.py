@@ -1,0 +1,65 @@
+"""Norms that cannot be exact stay LayerNorms while the rest of the model converts exactly (in memory and
+streaming), and say why; where the cause concerns every norm (post-LN), nothing is kept back."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from helpers.exact_models import perturb
+
+import normswap
+from normswap.checkpoint import stream
+from normswap.errors import NormswapError
+from normswap.parity import compare
+
+KEPT = "lm_head.layer_norm"   # reads gelu(dense(...)): no weight edit centres its input
+
+
+def _roberta_preln():
+    torch.manual_seed(0)
+    return perturb(tf.RobertaPreLayerNormForMaskedLM(tf.RobertaPreLayerNormConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64))).eval()
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(5)
+    return [{"input_ids": torch.randint(0, 100, (3, 11), generator=g)}]   # not the sample inputs
+
+
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_an_lm_head_norm_stays_and_the_rest_is_exact(method):
+    model = _roberta_preln()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method=method)
+    assert report.method == "exact" and report.num_converted == 6
+    assert [s["name"] for s in report.skipped] == [KEPT] and "gelu" in report.skipped[0]["reason"]
+    assert isinstance(model.get_submodule(KEPT), torch.nn.LayerNorm)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for n, m in model.named_modules() if n != KEPT)
+    assert compare(reference, model, _inputs()).max_rel <= 1e-5
+    naive = copy.deepcopy(reference)
+    normswap.convert(naive, method="naive")
+    assert compare(reference, naive, _inputs()).max_rel > 0.05   # the perturbed biases matter
+
+
+def test_streaming_keeps_the_same_norm_and_writes_the_same_model(tmp_path):
+    model = _roberta_preln()
+    model.save_pretrained(tmp_path / "src")
+    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    assert report.method == "exact" and [s["name"] for s in report.skipped] == [KEPT]
+    loaded = normswap.from_pretrained(tmp_path / "out")
+    assert isinstance(loaded.get_submodule(KEPT), torch.nn.LayerNorm)
+    assert compare(model, loaded, _inputs()).max_rel <= 1e-5
+    in_memory = copy.deepcopy(model)
+    normswap.convert(in_memory, method="exact")
+    assert compare(in_memory, loaded, _inputs()).max_abs == 0.0
+
+
+def test_post_ln_keeps_nothing_back():
+    torch.manual_seed(0)
+    bert = perturb(tf.BertModel(tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, intermediate_size=64))).eval()
+    with pytest.raises(NormswapError, match="post-LN"):
+        normswap.convert(bert, method="exact")
