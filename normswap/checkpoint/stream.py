@@ -25,7 +25,7 @@ from transformers import GenerationConfig
 
 from normswap import progress
 from normswap.checkpoint import safetensors
-from normswap.checkpoint.lazy import Lazy, LoadOnUse, trim
+from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.models.inputs import sample_inputs
@@ -151,7 +151,10 @@ def _sample_inputs(model: nn.Module) -> list[dict]:
     dtype = next(model.parameters()).dtype
     stand_in = types.SimpleNamespace(config=model.config, main_input_name=getattr(model, "main_input_name", ""),
                                      parameters=lambda: iter([torch.empty(0, dtype=dtype)]), forward=model.forward)
-    return sample_inputs(stand_in)
+    try:
+        return sample_inputs(stand_in)
+    except NormswapError as e:   # e.g. inputs only a trial forward can settle: in memory, they can be
+        raise NotStreamable(str(e)) from None
 
 
 def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False,

@@ -142,13 +142,15 @@ def image_tokens(ctx: Ctx, batches: list[dict], mains: list[str]) -> list[dict]:
     if not todo:
         return batches
     form, n = "as built", vision.image_tokens_per_image(ctx) or 1
-    if ctx.runnable:
-        found, error = trial(ctx, batches[todo[0]], token, n)
-        if found is None:
-            if "pixel_values" in mains or "pixel_values" in ctx.required():
-                raise ctx.refuse(f"images with image tokens: the model refused every form tried ({error})")
-            return [{k: v for k, v in x.items() if k != "pixel_values"} for x in batches]
-        form, n = found
+    if not ctx.runnable:   # a guess no forward has checked would trace (and verify) another path
+        raise ctx.refuse("how many image tokens an image fills is checked by a trial forward, which needs "
+                         "the weights")
+    found, error = trial(ctx, batches[todo[0]], token, n)
+    if found is None:
+        if "pixel_values" in mains or "pixel_values" in ctx.required():
+            raise ctx.refuse(f"images with image tokens: the model refused every form tried ({error})")
+        return [{k: v for k, v in x.items() if k != "pixel_values"} for x in batches]
+    form, n = found
     return [spliced(ctx, x, token, n, form) if i in todo else x for i, x in enumerate(batches)]
 
 
