@@ -15,6 +15,7 @@ from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
 from normswap.parity import compare, compare_to, reference_outputs
 from normswap.surgery import exact
+from helpers import CACHE
 from helpers.exact_models import build, padded_batches
 
 
@@ -33,8 +34,8 @@ def no_model_copies(monkeypatch):
 
 def _gpt2_outputs(out) -> dict[str, torch.Tensor]:
     """GPT-2's outputs written out by hand: logits and every cached key and value."""
-    cache = {f"past_key_values.{i}.{k}": getattr(layer, k)
-             for i, layer in enumerate(out.past_key_values.layers) for k in ("keys", "values")}
+    cache = {f"{CACHE}.{i}.{k}": getattr(layer, k)
+             for i, layer in enumerate(getattr(out, CACHE).layers) for k in ("keys", "values")}
     return {"logits": out.logits, **cache}
 
 
@@ -91,7 +92,7 @@ def test_cli_convert_makes_no_copy(no_model_copies, tmp_path):
     build("gpt2").save_pretrained(tmp_path / "src")
     result = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
-    assert "parity vs original (" in result.output and "outputs: logits, past_key_values[4])" in result.output
+    assert "parity vs original (" in result.output and f"outputs: logits, {CACHE}[4])" in result.output
 
 
 def _nan_weight(model: nn.Module, name: str = "transformer.h.0.mlp.c_fc.weight") -> nn.Module:

@@ -39,8 +39,20 @@ def kv_shape(model: nn.Module, batch: int, length: int) -> tuple[int, int, int, 
     """(batch, kv heads, length, head dim) of one layer's cached keys, read off a 1-token forward: configs
     name kv heads in too many ways (Falcon's multi_query keeps one)."""
     ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
-    keys = model(input_ids=ids, use_cache=True).past_key_values.layers[0].keys
+    keys = cache_of(model(input_ids=ids, use_cache=True)).layers[0].keys
     return batch, keys.shape[1], length, keys.shape[3]
+
+
+def cache_arg(model: nn.Module) -> str:
+    """The name the model's forward gives its KV cache: `past_key_values` up to transformers 5.23, `cache`
+    from 5.24 (which still takes the old name, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(out):
+    """The KV cache a forward returned, under either name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def position_ids(attention_mask, length: int):
@@ -81,11 +93,11 @@ class WithPast(nn.Module):
         extra = {} if positions is None else {"position_ids": positions}
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=self.model.config)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                         use_cache=True, **extra)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                         **{cache_arg(self.model): cache}, **extra)
         present = []
         for i in range(self.layers):
-            layer = out.past_key_values.layers[i]
+            layer = cache_of(out).layers[i]
             present += [layer.keys, layer.values]
         return (out.logits, *present)
 

@@ -17,29 +17,35 @@ from normswap.norms import RMSNorm
 
 __all__ = ["fuse_residual_norms", "unfuse_residual_norms"]
 
-# The GPT2Block.forward parameters the fused forward re-implements (transformers 4.5x-5.x).
+# The GPT2Block.forward parameters the fused forward re-implements: the cache is `past_key_values` up to
+# transformers 5.23 and `cache` from 5.24 (the fused forward takes whichever the block takes).
 _GPT2_PARAMS = ("hidden_states", "past_key_values", "attention_mask", "encoder_hidden_states",
                 "encoder_attention_mask", "use_cache")
+_CACHE_NAMES = ("past_key_values", "cache")
 _fused_classes: dict[type, type] = {}
 
 
-def _fused_gpt2_forward(self, hidden_states, past_key_values=None, attention_mask=None,
-                        encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs):
-    """GPT2Block.forward with each `residual + sublayer(...)` folded into the next norm's call."""
-    residual = hidden_states
-    attn_output, _ = self.attn(self.ln_1(hidden_states), past_key_values=past_key_values,
-                               attention_mask=attention_mask, use_cache=use_cache, **kwargs)
-    if encoder_hidden_states is not None:
-        if not hasattr(self, "crossattention"):
-            raise ValueError(f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
-                             "cross-attention layers by setting `config.add_cross_attention=True`")
-        normed, residual = self.ln_cross_attn(attn_output, residual=residual)
-        attn_output, _ = self.crossattention(normed, past_key_values=past_key_values,
-                                             attention_mask=attention_mask,
-                                             encoder_hidden_states=encoder_hidden_states,
-                                             encoder_attention_mask=encoder_attention_mask)
-    normed, residual = self.ln_2(attn_output, residual=residual)
-    return residual + self.mlp(normed)
+def _fused_gpt2_forward(cache_name: str):
+    """GPT2Block.forward with each `residual + sublayer(...)` folded into the next norm's call; its second
+    parameter (the cache) named as the block names it."""
+    def forward(self, hidden_states, past=None, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, use_cache=False, **kwargs):
+        past = kwargs.pop(cache_name, past)
+        residual = hidden_states
+        attn_output, _ = self.attn(self.ln_1(hidden_states), attention_mask=attention_mask, use_cache=use_cache,
+                                   **{cache_name: past}, **kwargs)
+        if encoder_hidden_states is not None:
+            if not hasattr(self, "crossattention"):
+                raise ValueError(f"If `encoder_hidden_states` are passed, {self} has to be instantiated with "
+                                 "cross-attention layers by setting `config.add_cross_attention=True`")
+            normed, residual = self.ln_cross_attn(attn_output, residual=residual)
+            attn_output, _ = self.crossattention(normed, attention_mask=attention_mask,
+                                                 encoder_hidden_states=encoder_hidden_states,
+                                                 encoder_attention_mask=encoder_attention_mask,
+                                                 **{cache_name: past})
+        normed, residual = self.ln_2(attn_output, residual=residual)
+        return residual + self.mlp(normed)
+    return forward
 
 
 def _is_gpt2_block(module: nn.Module) -> bool:
@@ -50,11 +56,14 @@ def _is_gpt2_block(module: nn.Module) -> bool:
     return isinstance(module, GPT2Block)
 
 
-def _check_signature(cls: type) -> None:
+def _cache_name(cls: type) -> str:
+    """The name GPT2Block.forward gives its cache; refused if its parameters are not the ones re-implemented."""
     params = tuple(inspect.signature(cls.forward).parameters)[1:1 + len(_GPT2_PARAMS)]
-    if params != _GPT2_PARAMS:
-        raise NormswapError(f"{cls.__name__}.forward takes {params}, not the {_GPT2_PARAMS} the fused block "
-                            "re-implements: this transformers version is not supported by fuse_residual_norms")
+    for name in _CACHE_NAMES:
+        if params == tuple(name if p == "past_key_values" else p for p in _GPT2_PARAMS):
+            return name
+    raise NormswapError(f"{cls.__name__}.forward takes {params}, not the {_GPT2_PARAMS} the fused block "
+                        "re-implements: this transformers version is not supported by fuse_residual_norms")
 
 
 def _fusable(block: nn.Module) -> bool:
@@ -77,9 +86,8 @@ def fuse_residual_norms(model: nn.Module) -> list[str]:
             continue
         cls = type(module)
         if cls not in _fused_classes:
-            _check_signature(cls)
             _fused_classes[cls] = type(f"Fused{cls.__name__}", (cls,),
-                                       {"forward": _fused_gpt2_forward, "__module__": __name__,
+                                       {"forward": _fused_gpt2_forward(_cache_name(cls)), "__module__": __name__,
                                         "_normswap_unfused": cls})
         module.__class__ = _fused_classes[cls]
         fused.append(name)
