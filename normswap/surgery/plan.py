@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from normswap.models.introspect import is_linear
-from normswap.surgery.reach import dead, read_names
+from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
 
@@ -240,8 +240,9 @@ def _fixed(model: nn.Module, label: str) -> bool:
 
 
 def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[str]:
-    """Parameters that never ran, are as wide as a normalised stream, and that the model's code reads
-    (`reach`): the trace cannot tell what they write (a path only some inputs take: image tokens, masked
+    """Parameters that never ran, are as wide as a normalised stream, and that the model's code can reach
+    (`reach`: read at all, and not only behind an optional argument its parent never passes): the trace
+    cannot tell what they write (a path only some inputs take: image tokens, masked
     positions)."""
     widths = {t.widths[label] for label in needs if label in t.widths}
     skip = {s.name for s in sites}
@@ -251,7 +252,7 @@ def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> li
     names = read_names(model) if unrun else None
     for name, _ in unrun:
         owner = name.rpartition(".")[0]
-        if dead(model, name, names):   # no code reads it: weights kept only for the checkpoint
+        if dead(model, name, names) or unreachable(model, name):   # no input can run it
             continue
         module = model.get_submodule(owner)
         what = f"{owner} ({type(module).__name__})" if next(module.children(), None) is None and \

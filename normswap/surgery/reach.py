@@ -6,11 +6,16 @@ A name is read if the source files that define the model's module classes (not t
 classes, which read attributes by computed names) read it as an attribute
 (`self.pos_conv_embed`, outside an assignment) or name it in a string (`getattr(self, "name")`). A file
 that reads attributes of `self` by a computed name, or cannot be read, makes every name count as read.
+
+A parameter read is still unreachable when its owner reads it only under `if <arg> is not None:` for
+optional forward arguments that the owner's parent never passes (`unreachable`): Dinov2's mask_token inside
+Depth Anything's backbone. Anything less clear-cut counts as reachable.
 """
 from __future__ import annotations
 
 import ast
 import inspect
+import textwrap
 
 from torch import nn
 
@@ -71,3 +76,115 @@ def dead(model: nn.Module, param: str, names: set[str] | None) -> bool:
     last = param.rpartition(".")[2]
     return not type(module).__module__.startswith("torch") and not isinstance(module, CONTAINERS) \
         and last not in names
+
+
+def _class_tree(cls: type) -> ast.ClassDef | None:
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    except (TypeError, OSError, SyntaxError, IndexError):
+        return None
+    return node if isinstance(node, ast.ClassDef) else None
+
+
+def _own_classes(module: nn.Module) -> list[type]:
+    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
+    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
+            not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
+
+
+def _is_self_attr(node: ast.AST, attr: str) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
+
+
+def _not_none(test: ast.AST) -> set[str]:
+    """Names that `test` requires not to be None (`x is not None`, alone or in an `and`)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return set().union(*(_not_none(v) for v in test.values))
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot) and \
+            isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant) and \
+            test.comparators[0].value is None:
+        return {test.left.id}
+    return set()
+
+
+def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
+    """{argument: position} of the optional forward arguments that every read of `self.<attr>` in the owner's
+    code sits under an `if <argument> is not None:`; None if some read is not so gated (or read elsewhere)."""
+    defining = next((c for c in _own_classes(owner) if "forward" in vars(c)), None)
+    if defining is None:
+        return None
+    gates: dict[str, int] | None = None
+    for cls in _own_classes(owner):
+        tree = _class_tree(cls)
+        if tree is None:
+            return None
+        for item in tree.body:
+            is_forward = cls is defining and isinstance(item, ast.FunctionDef) and item.name == "forward"
+            reads = [n for n in ast.walk(item) if _is_self_attr(n, attr) and isinstance(n.ctx, ast.Load)]
+            if not reads:
+                continue
+            if not is_forward:
+                return None
+            args = item.args
+            optional = {a.arg: i - 1 for i, a in enumerate(args.args)
+                        if i >= len(args.args) - len(args.defaults) and
+                        isinstance(d := args.defaults[i - len(args.args) + len(args.defaults)], ast.Constant)
+                        and d.value is None}
+            assigned = {n.id for n in ast.walk(item) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            guards: dict[int, set[str]] = {}
+            for node in ast.walk(item):
+                if isinstance(node, ast.If):
+                    names = (_not_none(node.test) & set(optional)) - assigned
+                    for inner in node.body:
+                        for sub in ast.walk(inner):
+                            guards.setdefault(id(sub), set()).update(names)
+            found = set.intersection(*(guards.get(id(r), set()) for r in reads))
+            if not found:
+                return None
+            gates = {a: optional[a] for a in found}
+    return gates
+
+
+def _never_passed(parent: nn.Module, child: str, gates: dict[str, int]) -> bool:
+    """The parent's code uses `self.<child>` only by calling it (or reading its attributes), and no call
+    passes any of `gates` (by keyword or position) or splats arguments."""
+    classes = _own_classes(parent)
+    if not classes:
+        return False
+    for cls in classes:
+        tree = _class_tree(cls)
+        if tree is None:
+            return False
+        parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(tree):
+            if not _is_self_attr(node, child) or not isinstance(node.ctx, ast.Load):
+                continue
+            up = parents.get(id(node))
+            if isinstance(up, ast.Attribute) and up.attr in ("forward", "__call__"):
+                node, up = up, parents.get(id(up))
+            elif isinstance(up, ast.Attribute):   # self.child.something: not a call of the child
+                continue
+            if not (isinstance(up, ast.Call) and up.func is node):
+                return False
+            if any(isinstance(a, ast.Starred) for a in up.args) or any(k.arg is None for k in up.keywords):
+                return False
+            if any(k.arg in gates for k in up.keywords) or any(len(up.args) > i for i in gates.values()):
+                return False
+    return True
+
+
+def unreachable(model: nn.Module, param: str) -> bool:
+    """True if the model's code provably never reads `param`: its owner reads it only under
+    `if <arg> is not None:` for optional forward arguments that the owner's one parent never passes
+    (Dinov2's mask_token inside Depth Anything's backbone, which embeds pixels without `bool_masked_pos`)."""
+    owner_name, _, attr = param.rpartition(".")
+    parent_name, _, child = owner_name.rpartition(".")
+    if not owner_name:
+        return False
+    owner, parent = model.get_submodule(owner_name), model.get_submodule(parent_name)
+    holders = sum(m is owner for _, m in model.named_modules(remove_duplicate=False))
+    if holders != 1 or isinstance(parent, CONTAINERS) or getattr(parent, child, None) is not owner:
+        return False
+    gates = _gates(owner, attr)
+    return bool(gates) and _never_passed(parent, child, gates)

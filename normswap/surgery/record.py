@@ -23,7 +23,7 @@ PRODUCTS = {"linear", "matmul", "__matmul__", "bmm", "mm", "_grouped_mm", "group
 # Moves whose other tensor arguments are indices, masks or zeros, not values moved.
 INDEXED = {"__getitem__", "index_select", "gather", "take_along_dim", "masked_fill", "masked_fill_", "where",
            "__setitem__", "index_put", "index_put_", "embedding", "repeat_interleave", "roll", "pad", "unfold",
-           "expand_as", "view_as", "reshape_as"}
+           "expand_as", "view_as", "reshape_as", "masked_scatter", "masked_scatter_"}
 
 
 @dataclass

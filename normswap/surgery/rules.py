@@ -6,7 +6,7 @@ rows of the labels with weights that do not depend on the channel: then centring
 channels) centres the tensor. The rules, by what an operation does to the values, not by its name alone:
 
 - rearrangements (views, permutes, indexing, gathers, rolls, flips, zero pads, cat/stack/split, embedding
-  lookups, dtype casts, dropout in eval, masked_fill/where with 0, x[i] = v): elements move, none
+  lookups, dtype casts, dropout in eval, masked_fill/where with 0, x[i] = v, masked_scatter): elements move, none
   changes. Found by running the same operation on integer *codes* (part, row, channel) of the elements:
   the result is *intact* (one dim holds whole rows, channels in order: `hd`) or *mapped* (`codes` say
   which channel of which row each element is: q/k/v slices of a fused projection, cat along the hidden dim);
@@ -33,7 +33,7 @@ MOVE = {"view", "reshape", "permute", "transpose", "swapaxes", "swapdims", "move
         "gather", "take_along_dim", "split", "split_with_sizes", "chunk", "unbind", "tensor_split", "cat",
         "concat", "concatenate", "stack", "roll", "flip", "fliplr", "flipud", "unfold", "pad", "masked_fill",
         "masked_fill_", "where", "__setitem__", "index_put", "index_put_", "embedding", "copy_", "__get__.T",
-        "__get__.mT"}
+        "__get__.mT", "masked_scatter", "masked_scatter_"}
 SUM = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__", "sub_"}
 SCALE = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_",
          "neg", "__neg__", "negative"}

@@ -9,6 +9,7 @@ import torch
 import transformers as tf
 from torch import nn
 
+import normswap
 from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
 
@@ -93,6 +94,24 @@ def test_multi_codebook_ids_and_trajectories_and_time_series():
     patch = build(tf.PatchTSTModel, num_input_channels=2, context_length=32, patch_length=8, patch_stride=8,
                   d_model=32, num_attention_heads=2, num_hidden_layers=2, ffn_dim=64)
     assert sample_inputs(patch)[-1]["past_values"].shape == (2, 32, 2)
+
+
+def test_a_decoder_that_cross_attends_gets_encoder_states():
+    """MusicGen's decoder has cross-attention layers its config does not announce: the first batch passes
+    encoder states, so every parameter runs and the cross-attention norms convert exactly; GPT-2 without
+    cross-attention rejects them and gets none."""
+    music = build(tf.MusicgenForCausalLM, num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64,
+                  num_hidden_layers=2, num_attention_heads=2)
+    one, two = sample_inputs(music)
+    assert one["encoder_hidden_states"].shape[::2] == (1, 32) and "encoder_hidden_states" not in two
+    assert used(music, [one, two]) == {n for n, _ in music.named_parameters()}
+    report = normswap.convert(music, method="exact")
+    assert report.method == "exact" and "model.decoder.layers.1.encoder_attn_layer_norm" in \
+        [r.name for r in report.converted]
+    gpt2 = build(tf.GPT2LMHeadModel, vocab_size=64, n_embd=32, n_layer=2, n_head=2)
+    assert all("encoder_hidden_states" not in x for x in sample_inputs(gpt2))
+    gpt2x = build(tf.GPT2LMHeadModel, vocab_size=64, n_embd=32, n_layer=2, n_head=2, add_cross_attention=True)
+    assert sample_inputs(gpt2x)[0]["encoder_hidden_states"].shape[-1] == 32
 
 
 @pytest.mark.parametrize("cls,config", [

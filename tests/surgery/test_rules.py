@@ -249,3 +249,29 @@ def test_fused_qkv_centred_per_head(feed):
 
 def test_fused_qkv_read_unnormalised_is_refused(feed):
     _refused(FusedQKV(True), feed, [ids()], "qkv", "q_norm", "add")
+
+
+# 8. masked_scatter: features written into whole rows of the text embeddings (Fuyu's, LLaVA's image tokens)
+class Scatter(Toy):
+    def __init__(self, whole_rows: bool):
+        super().__init__()
+        self.fc, self.vision = nn.Linear(D, D), nn.Linear(D, D)
+        self.whole_rows = whole_rows
+
+    def block(self, x):
+        features = self.vision(torch.ones(x.shape[0], 2, D))
+        rows = (torch.arange(x.shape[1]) % 3 == 1).view(1, -1, 1)
+        mask = rows.expand_as(x) if self.whole_rows else rows & (torch.arange(D) < D // 2)   # half a row
+        mask = mask.expand_as(x).contiguous()
+        features = features.repeat(1, x.shape[1], 1).flatten()[:int(mask.sum())]
+        x = x.masked_scatter(mask, features)
+        return x + self.fc(self.ln(x))
+
+
+def test_masked_scatter_of_whole_rows_keeps_the_stream(feed):
+    report = _exact(Scatter(True), feed, [ids()], [ids(3, 7)])
+    assert report.num_converted == 2
+
+
+def test_masked_scatter_into_part_of_a_row_is_refused(feed):
+    _refused(Scatter(False), feed, [ids()], "ln_f", "differently laid out")
