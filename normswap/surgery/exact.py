@@ -166,7 +166,18 @@ def keepable(p: Plan, sites: list[NormSite]) -> dict[str, str]:
     refused = {n: q.reason for n, q in p.norms.items() if q.reason}
     if p.reasons or not refused or len(refused) >= len(sites) or any("post-LN" in r for r in refused.values()):
         return {}
-    return refused
+    # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
+    # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm
+    # reading one, or writing one, stays a LayerNorm too (Swin: all stages but the last).
+    pinned = {label: n for n in refused if p.norms[n].shifted for label in p.norms[n].sources}
+    for s in sites:
+        q = p.norms[s.name]
+        hit = next((lb for lb in [*q.sources, "norm:" + s.name] if lb in pinned), None)
+        if s.name not in refused and hit:
+            what = "its output" if hit == "norm:" + s.name else f"its input holds {hit.partition(':')[2]}, which"
+            refused[s.name] = (f"{what} also reaches {pinned[hit]}, whose input is not a plain sum, so it cannot be "
+                               "centred")
+    return refused if len(refused) < len(sites) else {}
 
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:

@@ -39,6 +39,7 @@ class NormPlan:
     readers: list[str] = field(default_factory=list)
     bias: str = "none"          # "fold" | "after" | "stream" | "none"
     reason: str | None = None   # why this norm cannot be made exact
+    shifted: bool = False       # its input is no plain sum: centring its sources changes it, even as a LayerNorm
 
 
 @dataclass
@@ -187,6 +188,7 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
         for call in calls:
             if call.opaque and not p.reason:
                 p.reason = f"the input of {s.name} is not a sum of layer outputs (it passes through {call.opaque})"
+            p.shifted = p.shifted or bool(call.opaque)
             for label, ranges in call.sources.items():
                 sources[label] = sources.get(label, frozenset()) | ranges
         p.sources, p.readers = sorted(sources), list(t.readers.get(s.name, []))

@@ -63,3 +63,33 @@ def test_post_ln_keeps_nothing_back():
                                               num_attention_heads=4, intermediate_size=64))).eval()
     with pytest.raises(NormswapError, match="post-LN"):
         normswap.convert(bert, method="exact")
+
+
+def _swin():
+    torch.manual_seed(0)
+    return perturb(tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=32, patch_size=2, embed_dim=8, depths=[1, 1, 2], num_heads=[1, 2, 2], window_size=4,
+        num_labels=3))).eval()
+
+
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_swin_keeps_the_stages_patch_merging_reads_and_the_last_is_exact(method):
+    """Patch merging normalises four positions of the stream side by side: centring the stream shifts each
+    by its own mean, which its LayerNorm does not ignore. That stream stays as it is, so every norm reading
+    or writing it stays a LayerNorm, naming why; the last stage and the final norm convert exactly."""
+    model = _swin()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method=method)
+    last = [f"swin.encoder.layers.2.blocks.{b}.layernorm_{w}" for b in (0, 1) for w in ("before", "after")]
+    assert report.method == "exact" and sorted(r.name for r in report.converted) == sorted(last + ["swin.layernorm"])
+    reasons = {s["name"]: s["reason"] for s in report.skipped}
+    assert "a concatenation along the hidden dim" in reasons["swin.encoder.layers.0.downsample.norm"]
+    assert "whose input is not a plain sum" in reasons["swin.encoder.layers.1.blocks.0.layernorm_before"]
+    assert "swin.encoder.layers.1.downsample.norm" in reasons["swin.encoder.layers.1.blocks.0.layernorm_before"]
+    assert len(reasons) == 1 + 2 * (2 + 1) and all(isinstance(model.get_submodule(n), torch.nn.LayerNorm)
+                                                   for n in reasons)   # embedding norm; 2 stages x (block, merging)
+    x = [{"pixel_values": torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(9))}]
+    assert compare(reference, model, x).max_rel <= 1e-5
+    naive = copy.deepcopy(reference)
+    normswap.convert(naive, method="naive")
+    assert compare(reference, naive, x).max_rel > 1e-3

@@ -23,7 +23,7 @@ from normswap.models.inputs.context import DECODER, Ctx, nested_configs
 MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "input_values", "past_values",
          "states")
 # inputs that only switch an optional path on
-OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states")
+OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states", "encoder_outputs")
 # what the model reports when the image tokens in the text do not match its image features
 MISMATCH = re.compile(r"image tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
 
@@ -71,7 +71,8 @@ def build(ctx: Ctx) -> list[dict]:
 
 
 def signature(x: dict) -> dict:
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else signature(dict(enumerate(v)))
+            if isinstance(v, tuple) else v for k, v in x.items()}
 
 
 def takes_images(ctx: Ctx, mains: list[str]) -> bool:
@@ -112,10 +113,11 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
         series.trajectory(ctx, x, b, padded=not first)
     if ctx.has("decoder_input_ids") and (encoder_decoder(ctx) or "decoder_input_ids" in required):
         text.decoder(ctx, x, b, s)
-    if first and cross_attends(ctx):   # its own generator: whether it is tried must not shift the other draws
+    if first and (name := cross_attends(ctx)):   # its own generator: trying it must not shift the other draws
         width = ctx.integer("cross_attention_hidden_size", "hidden_size", "d_model", "n_embd", prefer=DECODER)
         g = torch.Generator().manual_seed(ctx.seed + 1)
-        x["encoder_hidden_states"] = torch.randn(b, max(2, s // 2 + 1), width, generator=g).to(ctx.dtype)
+        states = torch.randn(b, max(2, s // 2 + 1), width, generator=g).to(ctx.device, ctx.dtype)
+        x[name] = states if name == "encoder_hidden_states" else (states,)
     for name in mains:
         if name not in x:
             raise ctx.refuse(f"cannot build its main input `{name}` from the config")
@@ -132,14 +134,18 @@ def without_rejected(ctx: Ctx, x: dict) -> dict:
     return x if run(ctx.model, plain) else plain
 
 
-def cross_attends(ctx: Ctx) -> bool:
-    """A decoder outside an encoder-decoder that can attend to an encoder's states (MusicGen's decoder,
-    GPT-2 with cross-attention): the first batch passes some, so its cross-attention norms run. Where the
-    config does not say so, a model with weights here is tried (`without_rejected` drops them if it
-    refuses them)."""
-    if not ctx.has("encoder_hidden_states") or encoder_decoder(ctx) or "input_ids" not in ctx.params:
-        return False
-    return ctx.runnable or bool(ctx.value("add_cross_attention"))
+def cross_attends(ctx: Ctx) -> str | None:
+    """The input to pass encoder states in, for a decoder run alone that can attend to them: MusicGen's
+    decoder and GPT-2 with cross-attention (`encoder_hidden_states`), Whisper's decoder as a causal LM
+    (`encoder_outputs`); the first batch passes some, so its cross-attention norms run. Where the config
+    does not say so, a model with weights here is tried (`without_rejected` drops them if it refuses them)."""
+    if "input_ids" not in ctx.params or ctx.has("decoder_input_ids"):   # not a decoder alone
+        return None
+    if not ctx.runnable and not ctx.value("add_cross_attention"):
+        return None
+    if ctx.has("encoder_hidden_states") and not encoder_decoder(ctx):
+        return "encoder_hidden_states"
+    return "encoder_outputs" if ctx.has("encoder_outputs") else None
 
 
 def encoder_decoder(ctx: Ctx) -> bool:

@@ -1,0 +1,248 @@
+"""Exact-conversion coverage over transformers' architectures, as a new user meets them.
+
+    python benchmarks/architectures.py                       # every model type (~25 min on 2 cores)
+    python benchmarks/architectures.py --types gpt2,swin,vit # some
+    python benchmarks/architectures.py --report out.jsonl    # the summary of an earlier run
+
+Each model type transformers registers is built tiny from its config class's defaults (sizes shrunk where
+the config has them, nested configs too), its LayerNorms and means perturbed far from init, and run in its
+own process: `normswap.convert(model, method="auto")`, then every output compared, on normswap's own
+sample inputs and on other ones (another seed, batch and length), with the original's outputs taken before
+the conversion; then saved and reloaded by normswap and by plain transformers (`trust_remote_code`) and
+compared again. Outputs the report declares not preserved are left out of the comparison, and counted.
+
+Outcomes: exact (every norm converted), exact+kept (some kept as LayerNorms, the rest exact), WRONG (exact
+claimed, an undeclared output differs: the bug that must never happen), naive (auto fell back; the reason
+is the exact plan's refusal), no-inputs (normswap cannot build sample inputs), error (an exception escaped
+normswap), and, outside the counts, the types that have no LayerNorm or cannot be built tiny here.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOL = 1e-4
+SIZES = {   # attribute -> tiny value, set where the config has it (an int there)
+    32: ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "projection_dim",
+         "cross_attention_hidden_size", "d_embed", "image_size"),
+    2: ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers",
+        "num_decoder_layers", "num_encoder_layers", "speech_encoder_layers", "t2u_encoder_layers",
+        "t2u_decoder_layers", "num_key_value_heads"),
+    4: ("window_size", "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+        "decoder_attention_heads", "attention_heads", "decoder_num_attention_heads"),
+    64: ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "dff",
+         "max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions", "n_ctx"),
+    8: ("head_dim", "d_kv", "rotary_dim", "patch_size", "kv_channels"),
+    99: ("vocab_size",),
+}
+
+
+def tiny_dict(config) -> dict:
+    """config's dict with sizes shrunk (see SIZES), per-stage lists cut to 2 stages, nested configs too."""
+    d = config.to_dict()
+    out = {}
+    for value, keys in SIZES.items():
+        for k in keys:
+            if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > value:
+                out[k] = value
+    if isinstance(d.get("depths"), list):   # hierarchical vision (Swin...): 2 stages of 1 block
+        out["depths"] = [1, 1]
+        if isinstance(d.get("num_heads"), list):
+            out["num_heads"] = [2, 4]
+        out["embed_dim"] = 16
+    layers = out.get("num_hidden_layers")
+    if layers and isinstance(d.get("out_features"), list):   # a backbone: the stages its 2 layers have
+        out["out_features"], out["out_indices"] = ["stage1", "stage2"], [1, 2]
+    for k, v in d.items():
+        if isinstance(v, list) and layers and len(v) == d.get("num_hidden_layers") and len(v) > layers:
+            out[k] = v[:layers]    # per-layer lists (layer_types...)
+        if isinstance(v, dict) and "model_type" in v:
+            sub = getattr(config, k, None)
+            if hasattr(sub, "to_dict"):
+                out[k] = {**v, **tiny_dict(sub)}
+    vocab = out.get("vocab_size", d.get("vocab_size"))
+    if vocab is None and isinstance(out.get("text_config"), dict):   # a multimodal model's text vocabulary
+        vocab = out["text_config"].get("vocab_size")
+    if isinstance(vocab, int):   # special ids inside the shrunk vocabulary, distinct from each other
+        free = vocab - 1
+        for k, v in d.items():
+            if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and v >= vocab:
+                out[k], free = free, free - 1
+    return out
+
+
+def build(model_type: str):
+    """(tiny model, its class name) or raise."""
+    import torch
+    import transformers as tf
+    from transformers.models.auto import modeling_auto as auto
+
+    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                  "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+                  *sorted(n for n in dir(auto) if n.endswith("_MAPPING_NAMES"))):
+        name = getattr(auto, table).get(model_type)
+        name = name[0] if isinstance(name, (list, tuple)) else name
+        if name and hasattr(tf, name):
+            cls = getattr(tf, name)
+            config_cls = cls.config_class or tf.CONFIG_MAPPING[model_type]   # MusicGen's decoder: its own
+            config = config_cls(**tiny_dict(config_cls()))
+            torch.manual_seed(0)
+            return cls(config).eval(), name
+    raise LookupError("no model class")
+
+
+def one(model_type: str) -> dict:
+    """Everything measured for one model type (see the module docstring)."""
+    import transformers as tf
+    from torch import nn
+
+    import normswap
+    from normswap.errors import NormswapError
+    from normswap.models.inputs import sample_inputs
+    from normswap.parity import compare_to, reference_outputs
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from helpers.exact_models import perturb
+
+    row: dict = {"type": model_type}
+    try:
+        model, row["class"] = build(model_type)
+    except Exception as e:
+        return {**row, "outcome": "unbuilt", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    row["layernorms"] = len(norms)
+    if not norms or sum(p.numel() for p in model.parameters()) > 30e6:
+        return {**row, "outcome": "no-layernorm" if not norms else "unbuilt", "why": "" if not norms else "big"}
+    perturb(model)
+    try:
+        refs = [reference_outputs(model, sample_inputs(model)),
+                reference_outputs(model, sample_inputs(model, batch=3, seq=11, seed=1))]
+    except NormswapError as e:
+        return {**row, "outcome": "no-inputs", "why": str(e)}
+    except Exception as e:   # the model itself fails on inputs normswap built: normswap's inputs are wrong
+        return {**row, "outcome": "no-inputs", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+    try:
+        report = normswap.convert(model, method="auto")
+    except NormswapError as e:
+        return {**row, "outcome": "refused", "why": str(e)}
+    except Exception as e:
+        return {**row, "outcome": "error", "why": f"{type(e).__name__}: {str(e)[:300]}"}
+    if report.method != "exact":
+        why = next((w for w in report.warnings if "exact" in w), "; ".join(report.warnings))
+        return {**row, "outcome": "naive", "why": why}
+    kept = [s["name"] for s in report.skipped if s["reason"].startswith("kept as it is")]
+    row.update(converted=report.num_converted, kept=kept, declared=sorted(report.unverified))
+    errors = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"memory": lambda: model}
+        try:
+            tmp = str(Path(tmp) / "out")
+            normswap.save_pretrained(model, tmp)
+            models["normswap reload"] = lambda: normswap.from_pretrained(tmp)
+            auto = json.loads((Path(tmp) / "config.json").read_text()).get("auto_map", {})
+            head = next((k for k in auto if k != "AutoConfig"), None)
+            if head:
+                models["transformers reload"] = lambda: getattr(tf, head).from_pretrained(tmp, trust_remote_code=True)
+        except Exception as e:
+            errors["save"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for where, load in models.items():
+            try:
+                m = load().eval()
+                worst = max((compare_to(r, m, skip=report.unverified) for r in refs), key=lambda p: p.max_rel)
+                errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
+                if worst.max_rel > TOL or worst.max_rel != worst.max_rel:
+                    row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
+            except Exception as e:
+                errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
+    row["errors"] = errors
+    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
+    if any(isinstance(errors.get(k), float) for k in bad):
+        row["outcome"] = "WRONG"
+    elif bad:
+        row["outcome"], row["why"] = "error", "; ".join(f"{k}: {errors[k]}" for k in bad)
+    else:
+        row["outcome"] = "exact+kept" if kept else "exact"
+    return row
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+    return sorted(MODEL_MAPPING_NAMES)
+
+
+def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def child(t: str) -> dict:
+        cmd = [sys.executable, __file__, "--one", t]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"type": t, "outcome": "timeout", "why": f"over {timeout} s"}
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            tail = (p.stderr.strip().splitlines() or [""])[-1]
+            return {"type": t, "outcome": "crash", "why": tail[:300]}
+        return json.loads(lines[-1])
+
+    with out.open("w") as f, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for row in pool.map(child, types):
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f"{row['type']:<32} {row['outcome']:<11} {row.get('why', row.get('worst', ''))[:150]}",
+                  flush=True)
+
+
+def report(path: Path) -> None:
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    counts = collections.Counter(r["outcome"] for r in rows)
+    print(f"{len(rows)} model types, {path}")
+    for outcome in ("exact", "exact+kept", "WRONG", "naive", "refused", "no-inputs", "error", "crash",
+                    "timeout", "no-layernorm", "unbuilt"):
+        print(f"  {outcome:<13} {counts.get(outcome, 0)}")
+    post = sum(r["outcome"] == "naive" and "post-LN" in r.get("why", "") for r in rows)
+    tried = sum(counts.get(k, 0) for k in ("exact", "exact+kept", "WRONG", "naive", "refused", "no-inputs",
+                                           "error", "crash", "timeout"))
+    good = counts.get("exact", 0) + counts.get("exact+kept", 0)
+    print(f"with LayerNorms and built: {tried}; refused as post-LN: {post}; exact of the rest: {good}/{tried - post}"
+          f" ({100 * good / max(1, tried - post):.0f}%)")
+    for r in rows:
+        if r["outcome"] in ("WRONG", "naive", "refused", "no-inputs", "error", "crash", "timeout") \
+                and "post-LN" not in r.get("why", ""):
+            print(f"  {r['outcome']:<9} {r['type']:<28} {(r.get('why') or r.get('worst', ''))[:160]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", help="comma-separated model types (default: all)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=Path("architectures.jsonl"))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=180)
+    ap.add_argument("--report", type=Path, help="summarise an earlier run's JSONL")
+    a = ap.parse_args()
+    if a.one:
+        import warnings
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        print(json.dumps(one(a.one), default=str))
+        return
+    if a.report:
+        report(a.report)
+        return
+    start = time.time()
+    run_all(a.types.split(",") if a.types else model_types(), a.out, a.jobs, a.timeout)
+    print(f"{time.time() - start:.0f} s")
+    report(a.out)
+
+
+if __name__ == "__main__":
+    main()
