@@ -13,8 +13,10 @@ compared again. Outputs the report declares not preserved are left out of the co
 
 Outcomes: exact (every norm converted), exact+kept (some kept as LayerNorms, the rest exact), WRONG (exact
 claimed, an undeclared output differs: the bug that must never happen), naive (auto fell back; the reason
-is the exact plan's refusal), no-inputs (normswap cannot build sample inputs), error (an exception escaped
-normswap), and, outside the counts, the types that have no LayerNorm or cannot be built tiny here.
+is the exact plan's refusal), no-inputs (normswap cannot build sample inputs, and says why), model-failed
+(the tiny model fails on the inputs normswap built: its inputs, or this script's shrinking of the config, are
+wrong), error (an exception escaped normswap), and, outside the counts, the types that have no LayerNorm or
+cannot be built tiny here.
 """
 from __future__ import annotations
 
@@ -127,8 +129,8 @@ def one(model_type: str) -> dict:
                 reference_outputs(model, sample_inputs(model, batch=3, seq=11, seed=1))]
     except NormswapError as e:
         return {**row, "outcome": "no-inputs", "why": str(e)}
-    except Exception as e:   # the model itself fails on inputs normswap built: normswap's inputs are wrong
-        return {**row, "outcome": "no-inputs", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+    except Exception as e:   # the model fails on normswap's inputs (or on this tiny config of it)
+        return {**row, "outcome": "model-failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
     try:
         report = normswap.convert(model, method="auto")
     except NormswapError as e:
@@ -205,17 +207,17 @@ def report(path: Path) -> None:
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     counts = collections.Counter(r["outcome"] for r in rows)
     print(f"{len(rows)} model types, {path}")
-    for outcome in ("exact", "exact+kept", "WRONG", "naive", "refused", "no-inputs", "error", "crash",
-                    "timeout", "no-layernorm", "unbuilt"):
+    for outcome in ("exact", "exact+kept", "WRONG", "naive", "refused", "no-inputs", "model-failed", "error",
+                    "crash", "timeout", "no-layernorm", "unbuilt"):
         print(f"  {outcome:<13} {counts.get(outcome, 0)}")
     post = sum(r["outcome"] == "naive" and "post-LN" in r.get("why", "") for r in rows)
     tried = sum(counts.get(k, 0) for k in ("exact", "exact+kept", "WRONG", "naive", "refused", "no-inputs",
-                                           "error", "crash", "timeout"))
+                                           "model-failed", "error", "crash", "timeout"))
     good = counts.get("exact", 0) + counts.get("exact+kept", 0)
     print(f"with LayerNorms and built: {tried}; refused as post-LN: {post}; exact of the rest: {good}/{tried - post}"
           f" ({100 * good / max(1, tried - post):.0f}%)")
     for r in rows:
-        if r["outcome"] in ("WRONG", "naive", "refused", "no-inputs", "error", "crash", "timeout") \
+        if r["outcome"] in ("WRONG", "naive", "refused", "no-inputs", "model-failed", "error", "crash", "timeout") \
                 and "post-LN" not in r.get("why", ""):
             print(f"  {r['outcome']:<9} {r['type']:<28} {(r.get('why') or r.get('worst', ''))[:160]}")
 

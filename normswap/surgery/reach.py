@@ -108,6 +108,14 @@ def _not_none(test: ast.AST) -> set[str]:
     return set()
 
 
+def _optional(fn: ast.FunctionDef) -> dict[str, int]:
+    """{name: position, self not counted} of fn's parameters that default to None and that fn never reassigns."""
+    args, n = fn.args, len(fn.args.args) - len(fn.args.defaults)
+    assigned = {a.id for a in ast.walk(fn) if isinstance(a, ast.Name) and isinstance(a.ctx, ast.Store)}
+    return {a.arg: i - 1 for i, a in enumerate(args.args) if i >= n and a.arg not in assigned and
+            isinstance(d := args.defaults[i - n], ast.Constant) and d.value is None}
+
+
 def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
     """{argument: position} of the optional forward arguments that every read of `self.<attr>` in the owner's
     code sits under an `if <argument> is not None:`; None if some read is not so gated (or read elsewhere)."""
@@ -126,16 +134,11 @@ def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
                 continue
             if not is_forward:
                 return None
-            args = item.args
-            optional = {a.arg: i - 1 for i, a in enumerate(args.args)
-                        if i >= len(args.args) - len(args.defaults) and
-                        isinstance(d := args.defaults[i - len(args.args) + len(args.defaults)], ast.Constant)
-                        and d.value is None}
-            assigned = {n.id for n in ast.walk(item) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            optional = _optional(item)
             guards: dict[int, set[str]] = {}
             for node in ast.walk(item):
                 if isinstance(node, ast.If):
-                    names = (_not_none(node.test) & set(optional)) - assigned
+                    names = _not_none(node.test) & set(optional)
                     for inner in node.body:
                         for sub in ast.walk(inner):
                             guards.setdefault(id(sub), set()).update(names)
@@ -146,17 +149,22 @@ def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
     return gates
 
 
-def _never_passed(parent: nn.Module, child: str, gates: dict[str, int]) -> bool:
-    """The parent's code uses `self.<child>` only by calling it (or reading its attributes), and no call
-    passes any of `gates` (by keyword or position) or splats arguments."""
+def _passed(parent: nn.Module, child: str, gates: dict[str, int]) -> dict[str, int] | None:
+    """How the parent's code hands `gates` to `self.<child>`: {} never; {name: position} only as its own
+    optional forward arguments of those names, passed on unchanged from its forward; None any other way (a
+    computed value, a splat, the child handed out or called elsewhere with them)."""
     classes = _own_classes(parent)
     if not classes:
-        return False
+        return None
+    out: dict[str, int] = {}
     for cls in classes:
         tree = _class_tree(cls)
         if tree is None:
-            return False
+            return None
         parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        forward = next((f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
+        inside = {id(n) for n in ast.walk(forward)} if forward is not None else set()
+        optional = _optional(forward) if forward is not None else {}
         for node in ast.walk(tree):
             if not _is_self_attr(node, child) or not isinstance(node.ctx, ast.Load):
                 continue
@@ -166,25 +174,39 @@ def _never_passed(parent: nn.Module, child: str, gates: dict[str, int]) -> bool:
             elif isinstance(up, ast.Attribute):   # self.child.something: not a call of the child
                 continue
             if not (isinstance(up, ast.Call) and up.func is node):
-                return False
+                return None
             if any(isinstance(a, ast.Starred) for a in up.args) or any(k.arg is None for k in up.keywords):
-                return False
-            if any(k.arg in gates for k in up.keywords) or any(len(up.args) > i for i in gates.values()):
-                return False
-    return True
+                return None
+            for gate, i in gates.items():
+                value = next((k.value for k in up.keywords if k.arg == gate), up.args[i] if len(up.args) > i else None)
+                if value is None or isinstance(value, ast.Constant) and value.value is None:
+                    continue
+                if not (isinstance(value, ast.Name) and value.id in optional and id(up) in inside):
+                    return None
+                out[value.id] = optional[value.id]
+    return out
 
 
 def unreachable(model: nn.Module, param: str) -> bool:
     """True if the model's code provably never reads `param`: its owner reads it only under
-    `if <arg> is not None:` for optional forward arguments that the owner's one parent never passes
-    (Dinov2's mask_token inside Depth Anything's backbone, which embeds pixels without `bool_masked_pos`)."""
-    owner_name, _, attr = param.rpartition(".")
-    parent_name, _, child = owner_name.rpartition(".")
-    if not owner_name:
-        return False
-    owner, parent = model.get_submodule(owner_name), model.get_submodule(parent_name)
-    holders = sum(m is owner for _, m in model.named_modules(remove_duplicate=False))
-    if holders != 1 or isinstance(parent, CONTAINERS) or getattr(parent, child, None) is not owner:
-        return False
-    gates = _gates(owner, attr)
-    return bool(gates) and _never_passed(parent, child, gates)
+    `if <arg> is not None:` for optional forward arguments that no caller up to the model passes (each
+    module held once, by one parent, which passes such an argument on only from its own optional forward
+    argument, and so on up): Dinov2's mask_token inside Depth Anything's backbone, which embeds pixels without
+    `bool_masked_pos`, or under an image classifier's head, which calls Dinov2Model without it."""
+    name, _, attr = param.rpartition(".")
+    gates = _gates(model.get_submodule(name), attr) if name else None
+    while gates:
+        if not name:   # the model's own forward: the user may pass it
+            return False
+        parent_name, _, child = name.rpartition(".")
+        module, parent = model.get_submodule(name), model.get_submodule(parent_name)
+        holders = sum(m is module for _, m in model.named_modules(remove_duplicate=False))
+        if holders != 1 or isinstance(parent, CONTAINERS) or getattr(parent, child, None) is not module:
+            return False
+        passed = _passed(parent, child, gates)
+        if passed is None:
+            return False
+        if not passed:
+            return True
+        gates, name = passed, parent_name
+    return False

@@ -96,6 +96,16 @@ def test_multi_codebook_ids_and_trajectories_and_time_series():
     assert sample_inputs(patch)[-1]["past_values"].shape == (2, 32, 2)
 
 
+def test_masked_positions_reach_a_backbone_through_kwargs():
+    """Dinov2ForImageClassification takes bool_masked_pos only through **kwargs, which it hands to Dinov2Model:
+    the first batch passes it, so the mask token runs and the classifier converts exactly."""
+    model = build(tf.Dinov2ForImageClassification, **{k: v for k, v in DINO.items() if "out_" not in k})
+    one, two = sample_inputs(model)
+    assert one["bool_masked_pos"].shape == (2, 4) and one["bool_masked_pos"].any() and "bool_masked_pos" not in two
+    assert "dinov2.embeddings.mask_token" in used(model, [one])
+    assert normswap.convert(model, method="exact").method == "exact"
+
+
 def test_a_decoder_that_cross_attends_gets_encoder_states():
     """MusicGen's decoder has cross-attention layers its config does not announce: the first batch passes
     encoder states, so every parameter runs and the cross-attention norms convert exactly; GPT-2 without

@@ -92,6 +92,35 @@ def test_a_gate_the_parent_may_open_is_reachable(model):
     assert not unreachable(model, "embed.mask_token")
 
 
+class Direct(Model):
+    def forward(self, input_ids, masked=None):
+        x = self.embed(input_ids, masked=masked)
+        x = x + self.fc(self.ln(x))
+        return CausalLMOutput(logits=self.head(self.ln_f(x)))
+
+
+class Wrapped(nn.Module):
+    """A head over `Direct`, whose forward passes its own `masked` on: reachable only if the head passes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.config, self.inner = PretrainedConfig(), Direct()
+
+    def forward(self, input_ids, masked=None):
+        return self.inner(input_ids)
+
+
+class PassedOn(Wrapped):
+    def forward(self, input_ids, masked=None):
+        return self.inner(input_ids, masked=masked)
+
+
+def test_a_gate_passed_on_is_followed_up_to_the_model():
+    assert unreachable(Wrapped(), "inner.embed.mask_token")
+    assert not unreachable(PassedOn(), "inner.embed.mask_token")   # the user may pass it
+    assert not unreachable(Direct(), "embed.mask_token")
+
+
 def test_exact_conversion_ignores_only_unreachable_parameters(feed):
     x = {"input_ids": torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(0))}
     feed([x])

@@ -96,7 +96,7 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
             x["pixel_values"] = vision.pixels(ctx, b, video=vision.frames(ctx) is not None)
     if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required):
         x["pixel_values_videos"] = vision.pixels(ctx, b, video=True)
-    if ctx.has("bool_masked_pos") and ("pixel_values" in x or "pixel_values_videos" in x) and \
+    if ctx.passes_on("bool_masked_pos") and ("pixel_values" in x or "pixel_values_videos" in x) and \
             (first and vision.reads_masks(ctx) or "bool_masked_pos" in required):
         x["bool_masked_pos"] = vision.masked_positions(ctx, b)
     if ctx.has("noise") and "pixel_values" in x and (n := vision.noise(ctx, b)) is not None:
