@@ -185,6 +185,24 @@ def test_llava_image_tokens_counted_by_the_model():
     assert any(n.startswith("model.vision_tower") for n in used(model, [first]))
 
 
+def test_image_forms_the_model_asks_for():
+    """Idefics3 takes an images axis; LLaVA-OneVision each image's size and as many tiles as its grid makes
+    (told by its error): the trial forward finds both, so their vision towers run and are planned."""
+    vision = dict(TINY, image_size=32, patch_size=8)
+    text = dict(TINY, vocab_size=120, num_key_value_heads=2, max_position_embeddings=512)
+    idefics = build(tf.Idefics3ForConditionalGeneration, vision_config=vision, image_token_id=110, scale_factor=2,
+                    text_config=dict(model_type="llama", **text))
+    first, _ = sample_inputs(idefics)
+    assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and int((first["input_ids"] == 110).sum()) == 4
+    assert any(n.startswith("model.vision_model.encoder") for n in used(idefics, [first]))
+    one = build(tf.LlavaOnevisionForConditionalGeneration, vision_config=dict(model_type="siglip_vision_model",
+                **vision), text_config=dict(model_type="qwen2", **text), image_token_id=110,
+                image_grid_pinpoints=[[32, 64], [64, 32]], vision_feature_layer=-1)
+    first, _ = sample_inputs(one)
+    assert first["pixel_values"].shape == (1, 3, 3, 32, 32) and first["image_sizes"].tolist() == [[32, 32]]
+    assert any(n.startswith("model.vision_tower.encoder") for n in used(one, [first]))
+
+
 def test_token_types_padding_and_decoder_inputs():
     bert = build(tf.BertModel, vocab_size=60, type_vocab_size=2, max_position_embeddings=64, **TINY)
     first, second = sample_inputs(bert)

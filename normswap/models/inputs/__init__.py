@@ -25,6 +25,8 @@ MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "
 # inputs that only switch an optional path on
 OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states", "encoder_outputs")
 # what the model reports when the image tokens in the text do not match its image features
+# how many tiles of one image the model expected (LLaVA-NeXT splits its pixel values per image)
+TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
 MISMATCH = re.compile(r"image tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
 
 
@@ -155,8 +157,9 @@ def encoder_decoder(ctx: Ctx) -> bool:
 def image_tokens(ctx: Ctx, batches: list[dict], mains: list[str]) -> list[dict]:
     """Batches of a model that splices image features into its text at image tokens get those tokens.
     How many one image fills is guessed from the config, then, where the model has weights here, checked
-    by a trial forward that takes the count the model reports (and flattened patches where it wants them:
-    Fuyu). Optional images the model cannot read are left out: their path then stays untraced."""
+    by a trial forward that takes the count the model reports, and the form of the images it wants
+    (flattened patches: Fuyu; an images axis: Idefics; each image's size and its tiles: LLaVA-NeXT).
+    Optional images the model cannot read are left out: their path then stays untraced."""
     token = vision.image_token(ctx)
     todo = [i for i, x in enumerate(batches) if token is not None and "pixel_values" in x and "input_ids" in x]
     if not todo:
@@ -178,7 +181,8 @@ def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None
     """((pixel form, tokens per image), "") that the model runs with, or (None, its last error)."""
     error = ""
     hidden = ctx.integer("hidden_size", "d_model", prefer=("text_config",), default=1)
-    for form in ("as built", "patches"):
+    forms = ["as built", "patches", "per image"] + ["sized"] * ctx.has("image_sizes")
+    for form in forms:
         counts, tried = [n], set()
         while counts:
             count = counts.pop(0)
@@ -192,6 +196,8 @@ def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None
             if m := MISMATCH.search(error):   # features reported per token, or (some models) per value
                 b, f = len(y["pixel_values"]), int(m.group(2))
                 counts += [c // b for c in (f, f // hidden) if c % b == 0 and c >= b and c // b not in tried]
+            if (m := TILES.search(error)) and f"tiles:{m.group(1)}" not in forms:   # tiles per image it wants
+                forms.append(f"tiles:{m.group(1)}")
     return None, error
 
 
@@ -204,6 +210,12 @@ def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
         y["pixel_values"] = vision.flat_patches(ctx, len(x["pixel_values"]))
         if y["pixel_values"] is None:
             return None
+    elif form == "per image":   # (batch, images, channels, h, w): Idefics
+        y["pixel_values"] = x["pixel_values"][:, None]
+    elif form.startswith("tiles:"):   # (batch, tiles, channels, h, w): LLaVA-NeXT's tiles of each image
+        y["pixel_values"] = x["pixel_values"][:, None].expand(-1, int(form[6:]), -1, -1, -1).contiguous()
+    if form == "sized" or form.startswith("tiles:"):   # each image's (height, width): LLaVA-NeXT tiles by them
+        y["image_sizes"] = torch.tensor([list(vision.image_size(ctx))] * len(x["pixel_values"]))
     for key, fill in (("input_ids", token), ("attention_mask", 1), ("token_type_ids", 0)):
         if key in y:
             v = y[key]

@@ -108,14 +108,14 @@ class Ctx:
         return name in self.params
 
     def passes_on(self, name: str) -> bool:
-        """The forward takes `name`, or takes **kwargs and some inner module's forward takes `name` (an image
+        """The forward takes `name`, or takes **kwargs and a direct child's forward takes `name` (an image
         classifier handing `bool_masked_pos` on to its backbone)."""
         if self.has(name):
             return True
         if self.module is None or not any(p.kind is p.VAR_KEYWORD for p in self.params.values()):
             return False
-        return any(name in inspect.signature(m.forward).parameters for m in self.module.modules()
-                   if m is not self.module and type(m).forward is not nn.Module.forward)
+        return any(name in inspect.signature(m.forward).parameters for m in self.module.children()
+                   if type(m).forward is not nn.Module.forward)
 
     def required(self) -> list[str]:
         """The forward's parameters without a default (other than self, *args, **kwargs)."""
