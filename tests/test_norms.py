@@ -91,3 +91,27 @@ def test_residual_returns_normed_sum_and_sum():
     y, h = rms_norm(x, w, 1e-6, residual=r)
     torch.testing.assert_close(h, x + r)
     assert rel_err(y, reference(x + r, w, 1e-6)) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_output_is_contiguous_like_layernorm(monkeypatch, backend):
+    """A norm's output is contiguous whatever its input's strides, as nn.LayerNorm's is: models .view() it
+    (Idefics3's pixel shuffle after a stream laid out (batch, channels, tokens) by a conv stem). The
+    normswap op, its torch path and the portable module of converted folders alike."""
+    from normswap.models import portable
+    monkeypatch.setenv("NORMSWAP_BACKEND", backend)
+    x = torch.randn(2, 32, 16).transpose(1, 2)          # (2, 16, 32), strides (512, 1, 16)
+    w = torch.rand(32) + 0.5
+    assert nn_layernorm_contiguous(x)
+    mod = RMSNorm(32, eps=1e-6)
+    shipped = portable.RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        mod.weight.copy_(w)
+        shipped.weight.copy_(w)
+    for y in (mod(x), shipped(x), rms_norm(x, w, 1e-6)):
+        assert y.is_contiguous() and y.view(2, 8, 64).shape == (2, 8, 64)
+        assert rel_err(y, reference(x.double(), w.double(), 1e-6)) < 1e-6
+
+
+def nn_layernorm_contiguous(x: torch.Tensor) -> bool:
+    return torch.nn.LayerNorm(x.shape[-1])(x).is_contiguous()

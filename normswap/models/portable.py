@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
         y = xf / torch.sqrt(xk.pow(2).mean(-1, keepdim=True) + eps)
         if self.weight is not None:
             y = y * self.weight.float()
-        return y.to(x.dtype)
+        return y.to(x.dtype).contiguous()   # as LayerNorm's: callers .view() it (Idefics3's pixel shuffle)
 
     def extra_repr(self) -> str:
         p = "" if self.p is None else f", p={self.p}"

@@ -84,5 +84,5 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     y = hf / torch.sqrt(ms + eps)
     if weight is not None:
         y = y * weight.float()
-    y = y.to(x.dtype)
+    y = y.to(x.dtype).contiguous()   # as LayerNorm's, whatever x's strides: callers .view() it
     return y if residual is None else (y, h)

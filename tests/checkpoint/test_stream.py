@@ -288,3 +288,19 @@ def test_inputs_only_a_trial_forward_settles_are_built_in_memory(tmp_path):
     result = convert_checkpoint(str(tmp_path / "src"), tmp_path / "out", ConvertOptions(method="exact"))
     assert not result.streamed and any("trial forward" in n for n in result.notices)
     assert result.report.method == "exact" and result.parity.max_rel <= 1e-5
+
+
+def test_a_decoder_that_cross_attends_streams_exactly(tmp_path):
+    """Streaming has no weights for a trial forward: whether MusicGen's decoder takes encoder states is
+    checked on a meta skeleton, so its cross-attention norms are traced as in memory."""
+    import transformers as tf
+    torch.manual_seed(0)
+    model = perturb(tf.MusicgenForCausalLM(tf.MusicgenDecoderConfig(
+        num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2)))
+    model.save_pretrained(tmp_path / "src")
+    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    assert report.method == "exact" and "model.decoder.layers.1.encoder_attn_layer_norm" in \
+        [r.name for r in report.converted]
+    in_memory = normswap.load_model(str(tmp_path / "src"))[0]
+    normswap.convert(in_memory, method="exact")
+    assert compare(in_memory, normswap.from_pretrained(tmp_path / "out")).max_abs == 0.0

@@ -119,7 +119,10 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
         width = ctx.integer("cross_attention_hidden_size", "hidden_size", "d_model", "n_embd", prefer=DECODER)
         g = torch.Generator().manual_seed(ctx.seed + 1)
         states = torch.randn(b, max(2, s // 2 + 1), width, generator=g).to(ctx.device, ctx.dtype)
-        x[name] = states if name == "encoder_hidden_states" else (states,)
+        states = states if name == "encoder_hidden_states" else (states,)
+        plain = {k: v for k, v in x.items() if k != "attention_mask"}   # masks are checked by value (.item())
+        if ctx.runnable or ctx.value("add_cross_attention") or runs_on_meta(ctx, {**plain, name: states}):
+            x[name] = states
     for name in mains:
         if name not in x:
             raise ctx.refuse(f"cannot build its main input `{name}` from the config")
@@ -140,10 +143,9 @@ def cross_attends(ctx: Ctx) -> str | None:
     """The input to pass encoder states in, for a decoder run alone that can attend to them: MusicGen's
     decoder and GPT-2 with cross-attention (`encoder_hidden_states`), Whisper's decoder as a causal LM
     (`encoder_outputs`); the first batch passes some, so its cross-attention norms run. Where the config
-    does not say so, a model with weights here is tried (`without_rejected` drops them if it refuses them)."""
+    does not say so, a model with weights here is tried (`without_rejected` drops them if it refuses them),
+    one without (streaming) on the meta device."""
     if "input_ids" not in ctx.params or ctx.has("decoder_input_ids"):   # not a decoder alone
-        return None
-    if not ctx.runnable and not ctx.value("add_cross_attention"):
         return None
     if ctx.has("encoder_hidden_states") and not encoder_decoder(ctx):
         return "encoder_hidden_states"
@@ -221,6 +223,22 @@ def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
             v = y[key]
             y[key] = torch.cat([v[:, :1], torch.full((b, n), fill, dtype=v.dtype), v[:, 1:]], dim=1)
     return y
+
+
+@torch.no_grad()
+def runs_on_meta(ctx: Ctx, x: dict) -> bool:
+    """Whether the model's structure takes `x` (a model without weights here, as streaming builds it: a forward
+    on the meta device checks shapes and the paths the inputs open, not values)."""
+    if not isinstance(ctx.module, nn.Module) or not any(p.is_meta for p in ctx.module.parameters()):
+        return False
+    try:   # a fresh skeleton: streaming's model holds some real tensors (norms, biases) beside meta ones
+        with torch.device("meta"):
+            skeleton = type(ctx.module)(ctx.config)
+    except Exception:
+        return False
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else tuple(t.to("meta") for t in v)
+                if isinstance(v, tuple) else v) for k, v in x.items()}
+    return not run(skeleton, meta)
 
 
 @torch.no_grad()
