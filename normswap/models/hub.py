@@ -31,13 +31,16 @@ def auto_classes(model_type: str, arch: str) -> dict[str, str]:
 
     A base model is not offered for a model with a head: its tied embedding may be stored under the head's
     name only (safetensors keeps one name per tensor), so it would load incomplete."""
-    out = {}
+    out, anywhere = {}, {}
     for name in dir(modeling_auto):
         mapping = getattr(getattr(modeling_auto, name), "_model_mapping", None)
         if name.startswith("AutoModel") and mapping is not None:
-            if getattr(mapping, "_model_mapping", {}).get(model_type) == arch:
+            names = getattr(mapping, "_model_mapping", {})
+            if names.get(model_type) == arch:
                 out[name] = arch
-    return out
+            elif arch in names.values():   # built for another type's config (MusicGen's decoder alone)
+                anywhere[name] = arch
+    return out or anywhere
 
 
 def modeling_source(config_cls: str, model_type: str, classes: list[str]) -> str:

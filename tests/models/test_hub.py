@@ -228,3 +228,12 @@ def test_template_partial_width_matches_normswap():
         for p in (None, 0.01, 0.0625, 0.07, 0.1, 0.3, 1 / 3, 0.5, 0.999, 1.0):
             assert template.partial_width(d, p) == partial_width(d, p), (d, p)
     assert template.partial_width(100, 0.07) == 7
+
+
+def test_auto_classes_of_a_model_built_for_another_types_config():
+    """MusicGen's decoder (model type musicgen_decoder) is what AutoModelForCausalLM builds for MusicGen's
+    config: a converted decoder folder names it, so plain transformers loads it (no type maps it directly)."""
+    from normswap.models.hub import auto_classes
+    assert auto_classes("musicgen_decoder", "MusicgenForCausalLM") == {"AutoModelForCausalLM": "MusicgenForCausalLM"}
+    gpt2 = auto_classes("gpt2", "GPT2LMHeadModel")
+    assert "AutoModelForCausalLM" in gpt2 and "AutoModel" not in gpt2   # a head: no base-model class offered
