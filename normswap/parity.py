@@ -161,12 +161,15 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
     for i, batch in enumerate(inputs):
         try:
             runs = [(batch, run(model, batch, i))]
-        except Exception:
+        except Exception as e:
             # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
             rows = batch_rows(batch)
-            if rows is None:
-                raise
-            runs = [(row, run(model, row, i)) for row in rows]
+            try:
+                if rows is None:
+                    raise
+                runs = [(row, run(model, row, i)) for row in rows]
+            except Exception:
+                raise unrunnable(model, e) from None
         for x, result in runs:
             name = main_output(result)[0]
             kept, left = floating_outputs(result)
@@ -177,6 +180,17 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
             used.append(x)
             outs.append({k: v.detach().clone() for k, v in kept.items()})   # never a view into the model
     return Reference(used, outs, name, excluded)
+
+
+def unrunnable(model: nn.Module, e: Exception) -> NormswapError:
+    """The one-line refusal for a model that fails on the inputs normswap built for it: nothing can be
+    compared, so no conversion of it can be checked."""
+    if isinstance(e, NormswapError):
+        return e
+    line = (str(e).strip().splitlines() or [""])[0]
+    return NormswapError(f"{type(model).__name__} fails on the sample inputs normswap built for it "
+                         f"({type(e).__name__}: {line}), so no conversion of it can be checked (inputs of this "
+                         "kind are not supported yet)")
 
 
 def batch_rows(batch: dict) -> list[dict] | None:

@@ -195,3 +195,14 @@ def test_sample_inputs_without_a_position_limit(tmp_path):
     model.save_pretrained(tmp_path / "src")
     report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out")
     assert report.converted and parity.max_rel > 0   # naive (XLNet is post-LN), reported
+
+
+def test_a_model_failing_on_its_sample_inputs_is_refused_in_one_line():
+    """Not `error: IndexError: ...` on the command line: which model, which error, and why nothing can be
+    checked, in one line (one-row retries included)."""
+    model = build("gpt2")
+    bad = [{"input_ids": torch.full((2, 4), 10_000)}]   # beyond the vocabulary
+    with pytest.raises(NormswapError, match=r"GPT2LMHeadModel fails on the sample inputs normswap built for it "
+                                            r"\(IndexError: .*\), so no conversion of it can be checked") as e:
+        reference_outputs(model, bad)
+    assert "\n" not in str(e.value)
