@@ -164,9 +164,9 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
         except Exception as e:
             # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
             rows = batch_rows(batch)
+            if rows is None:
+                raise unrunnable(model, e) from None
             try:
-                if rows is None:
-                    raise
                 runs = [(row, run(model, row, i)) for row in rows]
             except Exception:
                 raise unrunnable(model, e) from None

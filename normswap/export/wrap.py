@@ -85,6 +85,7 @@ class WithPast(nn.Module):
         self.model = model
         self.layers = num_layers(model.config)
         self.positions = takes_positions(model)
+        self.cache_arg = cache_arg(model)
 
     def forward(self, input_ids, attention_mask, *rest):
         from transformers import DynamicCache
@@ -94,7 +95,7 @@ class WithPast(nn.Module):
         cache = DynamicCache(ddp_cache_data=[(past[2 * i], past[2 * i + 1]) for i in range(self.layers)],
                              config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                         **{cache_arg(self.model): cache}, **extra)
+                         **{self.cache_arg: cache}, **extra)
         present = []
         for i in range(self.layers):
             layer = cache_of(out).layers[i]

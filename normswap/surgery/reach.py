@@ -37,15 +37,17 @@ def _names(path: str) -> set[str] | None:
     return found
 
 
+def _own_classes(module: nn.Module) -> list[type]:
+    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
+    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
+            not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
+
+
 def read_names(model: nn.Module) -> set[str] | None:
     """Every attribute name the model's own classes read (see the module docstring); None: all of them."""
     files = set()
     for module in model.modules():
-        for cls in type(module).__mro__:
-            mod = cls.__module__
-            if mod.startswith(("torch", "builtins")) or mod.startswith("transformers.") and \
-                    not mod.startswith("transformers.models."):   # the library's generic bases, not the model's
-                continue
+        for cls in _own_classes(module):
             try:
                 files.add(inspect.getsourcefile(cls))
             except (TypeError, OSError):
@@ -84,12 +86,6 @@ def _class_tree(cls: type) -> ast.ClassDef | None:
     except (TypeError, OSError, SyntaxError, IndexError):
         return None
     return node if isinstance(node, ast.ClassDef) else None
-
-
-def _own_classes(module: nn.Module) -> list[type]:
-    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
-    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
-            not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
 
 
 def _is_self_attr(node: ast.AST, attr: str) -> bool:

@@ -24,9 +24,9 @@ MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "
          "states")
 # inputs that only switch an optional path on
 OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states", "encoder_outputs")
-# what the model reports when the image tokens in the text do not match its image features
 # how many tiles of one image the model expected (LLaVA-NeXT splits its pixel values per image)
 TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
+# what the model reports when the image tokens in the text do not match its image features
 MISMATCH = re.compile(r"image tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
 
 
