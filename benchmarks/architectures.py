@@ -35,14 +35,17 @@ HERE = Path(__file__).resolve().parent
 TOL = 1e-4
 SIZES = {   # attribute -> tiny value, set where the config has it (an int there)
     32: ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "projection_dim",
-         "cross_attention_hidden_size", "d_embed", "image_size"),
+         "cross_attention_hidden_size", "d_embed", "image_size", "out_hidden_size",
+         "projection_hidden_size", "projector_hidden_size"),
     2: ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers",
         "num_decoder_layers", "num_encoder_layers", "speech_encoder_layers", "t2u_encoder_layers",
-        "t2u_decoder_layers", "num_key_value_heads"),
+        "t2u_decoder_layers", "num_key_value_heads", "num_experts_per_tok"),
     4: ("window_size", "num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
-        "decoder_attention_heads", "attention_heads", "decoder_num_attention_heads"),
-    64: ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "dff",
-         "max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions", "n_ctx"),
+        "decoder_attention_heads", "attention_heads", "decoder_num_attention_heads", "n_routed_experts",
+        "num_experts", "num_local_experts"),
+    64: ("intermediate_size", "moe_intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
+         "d_ff", "dff", "max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions",
+         "n_ctx"),
     8: ("head_dim", "d_kv", "rotary_dim", "patch_size", "kv_channels"),
     99: ("vocab_size",),
 }
@@ -71,6 +74,15 @@ def tiny_dict(config) -> dict:
             sub = getattr(config, k, None)
             if hasattr(sub, "to_dict"):
                 out[k] = {**v, **tiny_dict(sub)}
+    if isinstance(d.get("mm_tokens_per_image"), int):   # Gemma 3 pools the 4x4 patches of a 32-pixel image
+        out["mm_tokens_per_image"] = 4
+    if isinstance(d.get("vision_feature_layers"), list):   # VipLLaVA: as many layers, all within 2
+        out["vision_feature_layers"] = [max(-2, min(i, 1)) for i in d["vision_feature_layers"]]
+    if isinstance(d.get("image_grid_pinpoints"), list):   # LLaVA-NeXT: tiles of the 32-pixel images
+        out["image_grid_pinpoints"] = [[32, 64], [64, 32], [64, 64]]
+    rope = d.get("rope_parameters")
+    if isinstance(rope, dict) and uses_mrope(config):
+        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}   # (time, rows, columns) of 4 rotary pairs
     vocab = out.get("vocab_size", d.get("vocab_size"))
     if vocab is None and isinstance(out.get("text_config"), dict):   # a multimodal model's text vocabulary
         vocab = out["text_config"].get("vocab_size")
@@ -80,6 +92,16 @@ def tiny_dict(config) -> dict:
             if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and v >= vocab:
                 out[k], free = free, free - 1
     return out
+
+
+def uses_mrope(config) -> bool:
+    """Whether the config's modelling code splits its rotary pairs by (time, rows, columns): Qwen-VL's M-RoPE."""
+    import importlib
+    try:
+        code = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+        return "mrope_section" in Path(code.__file__).read_text()
+    except (ImportError, OSError):
+        return False
 
 
 def build(model_type: str):

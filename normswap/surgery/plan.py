@@ -208,9 +208,11 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
             p.reason = p.reason or (f"{label.partition(':')[2]} is normalised in groups of channels, which its "
                                     "output (or input) centring cannot do")
     reasons = _unrun(model, t, sites, needs)
-    not_kept = {name: "the residual stream, returned centred (each row minus its mean)"
-                for label in needs if not label.startswith("norm:") for user in t.uses.get(label, {})
-                if (name := nested(user))}
+    # a norm's output that another norm reads is centred too (BLOOM's embedding norm, PaddleOCR-VL's vision
+    # post-norm read by the projector's norm)
+    not_kept = {name: "a norm's output that another norm reads, returned centred (each row minus its mean)"
+                if label.startswith("norm:") else "the residual stream, returned centred (each row minus its mean)"
+                for label in needs for user in t.uses.get(label, {}) if (name := nested(user))}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
     uncalled = [s.target for s in steps if s.op == "centre" and not s.target.startswith("param:")
                 and s.target not in t.called]

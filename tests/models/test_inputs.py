@@ -256,3 +256,65 @@ def test_what_cannot_be_built_is_named_in_one_line(model, message):
     with pytest.raises(NormswapError) as e:
         sample_inputs(model)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+GRID_TOWER = dict(hidden_size=32, depth=2, num_heads=2, intermediate_size=64, patch_size=8, spatial_merge_size=2,
+                  out_hidden_size=32)
+
+
+def test_grid_towers_read_patch_lists_in_the_shape_they_take():
+    """Qwen-VL-style towers take all images as one list of patches with each image's (frames, rows, columns):
+    flat rows of what the patch embedding reads (GLM-4V: 3 x 2 x 8 x 8), or small images (Kimi's Conv2d)."""
+    glm = build(tf.Glm4vVisionModel, temporal_patch_size=2, image_size=32, **GRID_TOWER)
+    batches = sample_inputs(glm)
+    x = batches[0]
+    assert set(x) == {"hidden_states", "grid_thw"} and x["hidden_states"].shape == (2 * 16, 3 * 2 * 8 * 8)
+    assert x["grid_thw"].tolist() == [[1, 4, 4]] * 2 and batches[-1]["grid_thw"].tolist() == [[1, 4, 8]] * 2
+    assert {n for n, _ in glm.named_parameters()} == used(glm, batches)
+    kimi = build(tf.Kimi_K25VisionModel, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 intermediate_size=64, patch_size=8)
+    x = sample_inputs(kimi)[0]
+    assert x["pixel_values"].shape == (2 * 16, 3, 8, 8) and x["grid_thw"].tolist() == [[1, 4, 4]] * 2
+    assert any(n.startswith("layers.") for n in used(kimi, [x]))
+
+
+def test_grid_decoders_get_image_tokens_grids_and_token_types():
+    """Qwen2-VL: flat patches, their grid, as many image tokens as the grid merges into (16 / 2^2), and
+    mm_token_type_ids marking them (its 3-D rotary positions need it): its vision tower runs."""
+    text = dict(TINY, vocab_size=99, num_key_value_heads=2, max_position_embeddings=64,
+                rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[4, 2, 2]))
+    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=8, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    model = build(tf.Qwen2VLModel, text_config=text, vision_config=vision, image_token_id=98, video_token_id=97,
+                  vision_start_token_id=96)
+    first, second = sample_inputs(model)
+    assert first["pixel_values"].shape == (16, 3 * 2 * 8 * 8) and first["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert int((first["input_ids"] == 98).sum()) == 4
+    assert torch.equal(first["mm_token_type_ids"], (first["input_ids"] == 98).long())
+    assert "pixel_values" not in second and not (second["input_ids"] == 98).any()
+    assert any(n.startswith("visual.blocks") for n in used(model, [first]))
+
+
+def test_audio_decoders_get_features_and_audio_tokens_counted_by_the_model():
+    """Qwen2-Audio splices its audio tower's frames at audio tokens: the first batch carries log-mel features,
+    their frame mask, and the audio tokens the model takes (one it expands, as its legacy inputs do)."""
+    audio = dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 max_source_positions=16)
+    model = build(tf.Qwen2AudioForConditionalGeneration, audio_config=audio, audio_token_index=98,
+                  text_config=dict(model_type="qwen2", vocab_size=99, num_key_value_heads=2,
+                                   max_position_embeddings=128, **TINY))
+    first, second = sample_inputs(model)
+    assert first["input_features"].shape == (1, 16, 32) and first["feature_attention_mask"].shape == (1, 32)
+    assert int((first["input_ids"] == 98).sum()) == 1
+    assert "input_features" not in second and not (second["input_ids"] == 98).any()
+    assert any(n.startswith("model.audio_tower.layers") for n in used(model, [first]))
+
+
+def test_native_resolution_images_get_patch_masks_and_shapes():
+    """SigLIP 2 reads images as flattened patches with a mask of real ones and each image's (rows, columns)."""
+    model = build(tf.Siglip2VisionModel, patch_size=8, num_patches=64, **TINY)
+    first, *rest = sample_inputs(model)
+    assert first["pixel_values"].shape == (2, 16, 3 * 8 * 8) and first["spatial_shapes"].tolist() == [[4, 4]] * 2
+    assert first["pixel_attention_mask"].shape == (2, 16) and bool(first["pixel_attention_mask"].all())
+    assert rest[-1]["spatial_shapes"].tolist() == [[4, 8]] * 2
+    assert {n for n, _ in model.named_parameters()} == used(model, [first])

@@ -215,6 +215,37 @@ def test_a_sub_models_stream_is_listed_as_not_preserved(feed):
     assert _rel(ref["tower"].pooler_output, out["tower"].pooler_output) <= 1e-5   # a norm's output: bias kept
 
 
+class Reread(Tower):
+    """Tower whose pooled post-norm output, returned inside the sub-model's output, is read by another norm
+    (PaddleOCR-VL's projector norm over the vision tower's post-norm)."""
+
+    def __init__(self):
+        super().__init__(False)
+        self.pre = nn.LayerNorm(D)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        x = x + self.fc(self.ln(x))
+        pooled = self.post(x[:, 0])
+        return TowerOutput(logits=self.proj(self.pre(pooled)),
+                           tower=BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled))
+
+
+def test_a_returned_norm_output_that_another_norm_reads_is_listed_as_not_preserved(feed):
+    model = _fresh(Reread)
+    reference = copy.deepcopy(model)
+    feed({"input_ids": ids()})
+    report = normswap.convert(model, method="exact")
+    assert "tower.pooler_output: a norm's output that another norm reads, returned centred" in \
+        "\n".join(report.not_preserved)
+    x = {"input_ids": ids(3, 5)}
+    with torch.no_grad():
+        ref, out = reference(**x), model(**x)
+    assert _rel(ref["logits"], out["logits"]) <= 1e-5
+    pooled = ref["tower"].pooler_output
+    assert _rel(pooled - pooled.mean(-1, keepdim=True), out["tower"].pooler_output) <= 1e-5   # as said: centred
+
+
 def test_the_models_own_stream_output_is_refused(feed):
     feed({"input_ids": ids()})
     with pytest.raises(NormswapError, match="the model output 'pooler_output' is the unnormalised residual stream"):

@@ -26,8 +26,12 @@ MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "
 OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states", "encoder_outputs")
 # how many tiles of one image the model expected (LLaVA-NeXT splits its pixel values per image)
 TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
-# what the model reports when the image tokens in the text do not match its image features
-MISMATCH = re.compile(r"image tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
+# what the model reports when the image (audio) tokens in the text do not match its image (audio) features
+MISMATCH = re.compile(r"(?:image|audio) tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
+# a decoder's inputs that it splices into its text at their tokens: input -> what they are
+MEDIA = {"pixel_values": "image", "input_features": "audio"}
+# masks over an audio input's frames
+FRAME_MASKS = ("input_features_mask", "feature_attention_mask")
 
 
 def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0) -> list[dict]:
@@ -46,6 +50,8 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
 def main_inputs(ctx: Ctx) -> list[str]:
     """The model's main inputs; where its main_input_name is not in its forward (a vision tower that kept
     the default "input_ids"), the first input its forward takes that normswap knows how to build."""
+    if vision.grid_tower(ctx):   # patches with their grid: under whichever name the tower reads them
+        return ["pixel_values" if ctx.has("pixel_values") else "hidden_states"]
     names = getattr(ctx.model, "main_input_name", "input_ids")
     names = [n for n in ([names] if isinstance(names, str) else list(names)) if n in ctx.params] or \
         [next((n for n in [*ctx.required(), *ctx.params] if n in MAINS), names)]
@@ -61,8 +67,12 @@ def build(ctx: Ctx) -> list[dict]:
     wide = text.length(ctx, 2 * ctx.seq + 1) if ctx.has("input_ids") else ctx.seq
     tokens = ctx.has("input_ids") or ctx.has("decoder_input_ids")
     shapes = [(1 if tokens else ctx.batch, min(ctx.seq, wide), True), (ctx.batch, wide, False)]
-    batches = image_tokens(ctx, [one(ctx, mains, b, s, first) for b, s, first in shapes], mains)
+    batches = [one(ctx, mains, b, s, first) for b, s, first in shapes]
+    for key in MEDIA:
+        batches = media_tokens(ctx, batches, mains, key)
     batches = [without_rejected(ctx, x) for x in batches]
+    if vision.grid_tower(ctx):
+        batches = grid_shape(ctx, batches, mains[0])
     if signature(batches[0]) == signature(batches[1]):   # nothing optional, no text: one batch does
         batches = batches[1:]
     missing = [r for r in ctx.required() if r not in batches[0]]
@@ -96,6 +106,12 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
         # a decoder that splices image tokens into its text reads text alone too: the second batch
         if not (token is not None and optional and not first):
             x["pixel_values"] = vision.pixels(ctx, b, video=vision.frames(ctx) is not None)
+    if grid := vision.grid_tower(ctx):
+        x[mains[0]], x[grid] = vision.grid_patches(ctx, b, wide=not first)
+        if ctx.has("merge_sizes"):   # Video-LLaMA 3: each image's merge
+            x["merge_sizes"] = torch.full((b,), vision.merge(ctx))
+    if "pixel_values" in x and ctx.has("spatial_shapes") and (flex := vision.naflex(ctx, b, wide=not first)):
+        x["pixel_values"], x["pixel_attention_mask"], x["spatial_shapes"] = flex
     if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required):
         x["pixel_values_videos"] = vision.pixels(ctx, b, video=True)
     if ctx.passes_on("bool_masked_pos") and ("pixel_values" in x or "pixel_values_videos" in x) and \
@@ -103,7 +119,8 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
         x["bool_masked_pos"] = vision.masked_positions(ctx, b)
     if ctx.has("noise") and "pixel_values" in x and (n := vision.noise(ctx, b)) is not None:
         x["noise"] = n
-    if "input_features" in mains or "input_features" in required:
+    if "input_features" in mains or "input_features" in required or \
+            first and "input_ids" in x and ctx.has("input_features") and audio.audio_token(ctx) is not None:
         x["input_features"] = audio.features(ctx, b, s)
     if "input_values" in mains or "input_values" in required:
         x["input_values"] = audio.values(ctx, b, s)
@@ -127,6 +144,23 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
         if name not in x:
             raise ctx.refuse(f"cannot build its main input `{name}` from the config")
     return x
+
+
+def grid_shape(ctx: Ctx, batches: list[dict], name: str) -> list[dict]:
+    """The batches with their patches in the first shape the tower runs on (see `vision.patch_shapes`), tried
+    with the weights, or on the meta device when streaming; as built where none runs (its error says why)."""
+    for k in range(len(vision.patch_shapes(ctx, batches[0][name]))):
+        shaped = [{**x, name: vision.patch_shapes(ctx, x[name])[k]} for x in batches]
+        if not run_either(ctx, shaped[0]):
+            return shaped
+    return batches
+
+
+def run_either(ctx: Ctx, x: dict) -> str:
+    """The model's error on `x` ("" if it runs): with its weights, else on a meta skeleton."""
+    if ctx.runnable:
+        return run(ctx.model, x)
+    return "" if runs_on_meta(ctx, x) else "does not run on the meta device"
 
 
 def without_rejected(ctx: Ctx, x: dict) -> dict:
@@ -156,34 +190,37 @@ def encoder_decoder(ctx: Ctx) -> bool:
     return any(getattr(c, "is_encoder_decoder", False) for c in nested_configs(ctx.config))
 
 
-def image_tokens(ctx: Ctx, batches: list[dict], mains: list[str]) -> list[dict]:
-    """Batches of a model that splices image features into its text at image tokens get those tokens.
-    How many one image fills is guessed from the config, then, where the model has weights here, checked
-    by a trial forward that takes the count the model reports, and the form of the images it wants
-    (flattened patches: Fuyu; an images axis: Idefics; each image's size and its tiles: LLaVA-NeXT).
-    Optional images the model cannot read are left out: their path then stays untraced."""
-    token = vision.image_token(ctx)
-    todo = [i for i, x in enumerate(batches) if token is not None and "pixel_values" in x and "input_ids" in x]
+def media_tokens(ctx: Ctx, batches: list[dict], mains: list[str], key: str) -> list[dict]:
+    """Batches of a model that splices image (audio) features into its text at image (audio) tokens get
+    those tokens. How many one image fills is guessed from the config, then, where the model has weights
+    here, checked by a trial forward that takes the count the model reports, and the form of the images it
+    wants (flattened patches: Fuyu; an images axis: Idefics; each image's size and its tiles: LLaVA-NeXT;
+    patches with their grid: Qwen-VL). Optional inputs the model cannot read are left out: their path then
+    stays untraced."""
+    kind = MEDIA[key]
+    token = vision.image_token(ctx) if kind == "image" else audio.audio_token(ctx)
+    todo = [i for i, x in enumerate(batches) if token is not None and key in x and "input_ids" in x]
     if not todo:
         return batches
-    form, n = "as built", vision.image_tokens_per_image(ctx) or 1
+    n = (vision.image_tokens_per_image(ctx) or 1) if kind == "image" else 1
     if not ctx.runnable:   # a guess no forward has checked would trace (and verify) another path
-        raise ctx.refuse("how many image tokens an image fills is checked by a trial forward, which needs "
+        raise ctx.refuse(f"how many {kind} tokens an {kind} fills is checked by a trial forward, which needs "
                          "the weights")
-    found, error = trial(ctx, batches[todo[0]], token, n)
+    found, error = trial(ctx, batches[todo[0]], token, n, key)
     if found is None:
-        if "pixel_values" in mains or "pixel_values" in ctx.required():
-            raise ctx.refuse(f"images with image tokens: the model refused every form tried ({error})")
-        return [{k: v for k, v in x.items() if k != "pixel_values"} for x in batches]
+        if key in mains or key in ctx.required():
+            raise ctx.refuse(f"{kind}s with {kind} tokens: the model refused every form tried ({error})")
+        return [{k: v for k, v in x.items() if k != key} for x in batches]
     form, n = found
     return [spliced(ctx, x, token, n, form) if i in todo else x for i, x in enumerate(batches)]
 
 
-def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None, str]:
-    """((pixel form, tokens per image), "") that the model runs with, or (None, its last error)."""
+def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, int] | None, str]:
+    """((form of the `key` input, tokens per item), "") that the model runs with, or (None, its last error)."""
     error = ""
     hidden = ctx.integer("hidden_size", "d_model", prefer=("text_config",), default=1)
-    forms = ["as built", "patches", "per image"] + ["sized"] * ctx.has("image_sizes")
+    forms = ["as built"] if key != "pixel_values" else ["grid:0", "grid:1", "grid:2"] \
+        if ctx.has("image_grid_thw") else ["as built", "patches", "per image"] + ["sized"] * ctx.has("image_sizes")
     for form in forms:
         counts, tried = [n], set()
         while counts:
@@ -196,7 +233,7 @@ def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None
             if not error:
                 return (form, count), ""
             if m := MISMATCH.search(error):   # features reported per token, or (some models) per value
-                b, f = len(y["pixel_values"]), int(m.group(2))
+                b, f = len(y[key]), int(m.group(2))
                 counts += [c // b for c in (f, f // hidden) if c % b == 0 and c >= b and c // b not in tried]
             if (m := TILES.search(error)) and f"tiles:{m.group(1)}" not in forms:   # tiles per image it wants
                 forms.append(f"tiles:{m.group(1)}")
@@ -204,11 +241,23 @@ def trial(ctx: Ctx, x: dict, token: int, n: int) -> tuple[tuple[str, int] | None
 
 
 def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
-    """x with n image tokens after the first token of every row (masks and token types grow with them),
-    its images as built or as flattened patches."""
+    """x with n image (audio) tokens after the first token of every row (masks and token types grow with
+    them), its images in the given form, its audio features with their frame masks."""
     y = dict(x)
     b = y["input_ids"].shape[0]
-    if form == "patches":
+    for mask in FRAME_MASKS if "input_features" in x and "pixel_values" not in x else ():
+        if ctx.has(mask):
+            y[mask] = audio.frames_mask(ctx, x["input_features"])
+    if form.startswith("grid:"):   # Qwen-VL: one list of patches, each image's grid, the tokens it merges into
+        patches, y["image_grid_thw"] = vision.grid_patches(ctx, len(x["pixel_values"]), wide=False)
+        shapes = vision.patch_shapes(ctx, patches)
+        if int(form[5:]) >= len(shapes):
+            return None
+        y["pixel_values"] = shapes[int(form[5:])]
+        n = int(y["image_grid_thw"][0].prod()) // vision.merge(ctx) ** 2
+        if ctx.has("image_merge_sizes"):   # Video-LLaMA 3: each image's merge
+            y["image_merge_sizes"] = torch.full((len(y["image_grid_thw"]),), vision.merge(ctx))
+    elif form == "patches":
         y["pixel_values"] = vision.flat_patches(ctx, len(x["pixel_values"]))
         if y["pixel_values"] is None:
             return None
@@ -222,6 +271,8 @@ def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
         if key in y:
             v = y[key]
             y[key] = torch.cat([v[:, :1], torch.full((b, n), fill, dtype=v.dtype), v[:, 1:]], dim=1)
+    if form.startswith("grid:") and ctx.has("mm_token_type_ids"):   # image tokens (1), for its 3-D positions
+        y["mm_token_type_ids"] = (y["input_ids"] == token).long()
     return y
 
 

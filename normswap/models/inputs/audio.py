@@ -42,3 +42,14 @@ def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     if audio_channels is not None:
         return ctx.randn(b, audio_channels, WAVEFORM)
     return ctx.randn(b, WAVEFORM)
+
+
+def audio_token(ctx: Ctx) -> int | None:
+    """The token an audio-language model (Qwen2-Audio, Audio Flamingo, GLM-ASR...) splices audio features at."""
+    return ctx.integer("audio_token_id", "audio_token_index", minimum=0)
+
+
+def frames_mask(ctx: Ctx, feats: torch.Tensor) -> torch.Tensor:
+    """All frames of `feats` valid: (b, frames), along the last axis of Whisper-style features."""
+    whisper = ctx.integer("num_mel_bins", prefer=AUDIO) == feats.shape[1]
+    return torch.ones(feats.shape[0], feats.shape[-1] if whisper else feats.shape[1], dtype=torch.long)

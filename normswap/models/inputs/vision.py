@@ -1,13 +1,19 @@
 """Image and video inputs: pixel values sized from the config (nested vision or backbone configs included)
 or the model's own patch embeddings, videos with a frames axis, flattened patches (Fuyu), masks over
-patches (`bool_masked_pos`) and the noise that drives random masking (ViT-MAE), so that reruns agree."""
+patches (`bool_masked_pos`), the noise that drives random masking (ViT-MAE), so that reruns agree, SigLIP 2's
+native-resolution patches, and the patch lists with their grids that Qwen-VL-style vision towers read."""
 from __future__ import annotations
 
+import inspect
+import math
+
 import torch
+from torch import nn
 
 from normswap.models.inputs.context import VISION, Ctx, pair
 
 DEFAULT_SIZE = 224   # image models whose config names no size (convolutional backbones)
+GRIDS = ("grid_thw", "image_grid_thw")   # each image's (frames, rows, columns) of patches
 
 
 def image_size(ctx: Ctx) -> tuple[int, int]:
@@ -104,3 +110,69 @@ def image_tokens_per_image(ctx: Ctx) -> int | None:
 
 def image_token(ctx: Ctx) -> int | None:
     return ctx.integer("image_token_id", "image_token_index", minimum=0)
+
+
+def naflex(ctx: Ctx, b: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """SigLIP 2's native-resolution images: b images of 4x4 (`wide`: 4x8) patches, each flattened, the mask
+    of real patches and each image's (rows, columns); None without a patch size."""
+    p = patch(ctx)
+    if p is None:
+        return None
+    rows, cols = 4, 8 if wide else 4
+    pixels = ctx.randn(b, rows * cols, channels(ctx) * p[0] * p[1])
+    return pixels, torch.ones(b, rows * cols, dtype=torch.long), torch.tensor([[rows, cols]] * b)
+
+
+def grid_tower(ctx: Ctx) -> str | None:
+    """The grid argument of a vision tower that reads all images as one list of patches with each image's
+    (frames, rows, columns) beside it (Qwen-VL, GLM-4V, Kimi, Video-LLaMA 3...), else None."""
+    return None if ctx.has("input_ids") else next((n for n in GRIDS if ctx.has(n)), None)
+
+
+def merge(ctx: Ctx) -> int:
+    """How many patches a side the tower merges into one token (its grid's rows and columns are multiples)."""
+    size = pair(ctx.value("spatial_merge_size", "merge_size", "merge_kernel_size", prefer=VISION))
+    return size[0] if size else 1
+
+
+def patch_width(ctx: Ctx) -> int | None:
+    """Values in one flattened patch: what the grid tower's patch embedding (its first linear or convolution)
+    reads, else channels x frames per patch x patch area from the config."""
+    reader = tower(ctx)
+    for m in reader.modules() if reader is not None else ():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return m.in_channels * math.prod(m.kernel_size)
+    p = patch(ctx)
+    frames_per_patch = ctx.integer("temporal_patch_size", "patch_temporal", prefer=VISION, default=1)
+    return None if p is None else channels(ctx) * frames_per_patch * p[0] * p[1]
+
+
+def tower(ctx: Ctx) -> nn.Module | None:
+    """The module (the model itself, or one inside it) whose forward reads patches with their grid."""
+    for m in ctx.module.modules() if ctx.module is not None else ():
+        names = inspect.signature(m.forward).parameters
+        if any(n in names for n in GRIDS) and "input_ids" not in names:
+            return m
+    return None
+
+
+def grid_patches(ctx: Ctx, b: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """b images of 2x2 (`wide`: 2x4) merged tokens as one (patches, width) list, and their grid (b, 3)."""
+    width, m = patch_width(ctx), merge(ctx)
+    if width is None:
+        raise ctx.refuse("flattened patches need a `patch_size` in the config")
+    rows, cols = 2 * m, (4 if wide else 2) * m
+    return ctx.randn(b * rows * cols, width), torch.tensor([[1, rows, cols]] * b)
+
+
+def patch_shapes(ctx: Ctx, patches: torch.Tensor) -> list[torch.Tensor]:
+    """The same patches in each shape grid towers read them in: a flat list (Qwen-VL), small images
+    (patches, channels, p, p) (Kimi), and those with a batch axis (PaddleOCR-VL); the first only where the
+    width is not channels x p x p."""
+    p, c = patch(ctx), channels(ctx)
+    if p is None or patches.shape[-1] != c * p[0] * p[1]:
+        return [patches]
+    square = patches.reshape(-1, c, p[0], p[1])
+    return [patches, square, square[None]]
