@@ -58,6 +58,20 @@ def test_video_models_get_clips_with_a_frames_axis(cls, config):
     assert used(model, batches) >= used(model, [{"pixel_values": clip}])
 
 
+def test_mel_features_in_the_layout_the_first_convolution_reads():
+    """Whisper's Conv1d reads the mel bins as channels: (b, mels, 2 x positions); Parakeet's 2-D subsampling
+    reads (b, frames, mels), frames the subsampling factor times the sequence length."""
+    parakeet = build(tf.ParakeetEncoder, num_mel_bins=16, subsampling_factor=4, subsampling_conv_channels=8, **TINY)
+    (x,) = sample_inputs(parakeet)
+    assert x["input_features"].shape == (2, 4 * 16, 16)
+    assert {n for n, _ in parakeet.named_parameters()} == used(parakeet, [x])
+    whisper = build(tf.WhisperModel, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                    decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
+                    max_source_positions=8, vocab_size=60, pad_token_id=0, decoder_start_token_id=1,
+                    bos_token_id=1, eos_token_id=2)
+    assert sample_inputs(whisper)[0]["input_features"].shape[1:] == (16, 16)
+
+
 def test_spectrogram_and_raw_waveform_audio():
     ast = build(tf.ASTModel, **dict(TINY, max_length=32, num_mel_bins=16, patch_size=8, frequency_stride=8,
                                     time_stride=8))

@@ -1,5 +1,6 @@
 """Decoders that splice images or audio into their text convert exactly, their towers included: the sample
-inputs run the towers (patch lists with grids, audio features at audio tokens), so the plan covers them."""
+inputs run the towers (patch lists with grids, audio features at audio tokens), so the plan covers them; so
+do the towers and encoders alone (Video-LLaMA 3's, Parakeet's frames-first mel features)."""
 from __future__ import annotations
 
 import copy
@@ -38,13 +39,20 @@ def _qwen2_audio():
         text_config=dict(TEXT, model_type="qwen2"), audio_token_index=98))
 
 
-@pytest.mark.parametrize("make", [_qwen2_vl, _video_llama_3_tower, _qwen2_audio], ids=lambda f: f.__name__[1:])
+def _parakeet():
+    return tf.ParakeetEncoder(tf.ParakeetEncoderConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                       intermediate_size=64, num_mel_bins=16, subsampling_factor=4,
+                                                       subsampling_conv_channels=8))
+
+
+@pytest.mark.parametrize("make", [_qwen2_vl, _video_llama_3_tower, _qwen2_audio, _parakeet], ids=lambda f: f.__name__[1:])
 def test_media_decoders_and_grid_towers_convert_exactly(make):
     torch.manual_seed(0)
     model = perturb(make()).eval()
     reference = copy.deepcopy(model)
     report = normswap.convert(model, method="exact")
-    assert report.method == "exact" and report.num_converted >= 4 and not report.skipped
+    assert report.method == "exact" and report.num_converted >= 4
+    assert not [s for s in report.skipped if s["cls"] == "LayerNorm"]   # Parakeet's BatchNorms are not ours
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
     unseen = sample_inputs(reference, batch=3, seed=7)   # other values, another batch
     kept = report.unverified   # the towers' own streams, returned centred (Qwen2-VL's image_outputs), as said

@@ -4,6 +4,7 @@ own convolutional front end (Moonshine) and codecs' (batch, channels, samples)."
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from normswap.models.inputs.context import AUDIO, Ctx
 
@@ -12,10 +13,13 @@ WAVEFORM = 4000   # samples (a quarter second at 16 kHz) where the config names 
 
 
 def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
-    """input_features: Whisper-style (b, mel bins, 2 x encoder positions) or Speech2Text-style
-    (b, frames, features), frames halved by each conv layer."""
+    """input_features: Whisper-style (b, mel bins, 2 x encoder positions), FastConformer-style (b, frames,
+    mel bins), frames the subsampling factor times s, or Speech2Text-style (b, frames, features), frames
+    halved by each conv layer."""
     mels = ctx.integer("num_mel_bins", prefer=AUDIO)
     if mels is not None and ctx.integer("input_feat_per_channel") is None:
+        if not mels_first(ctx, mels):   # FastConformer (Parakeet, Canary, LASR): (b, frames, mels)
+            return ctx.randn(b, ctx.integer("subsampling_factor", prefer=AUDIO, default=4) * s, mels)
         positions = ctx.integer("max_source_positions", prefer=AUDIO, default=WHISPER_POSITIONS)
         return ctx.randn(b, mels, 2 * positions)
     width = ctx.integer("input_feat_per_channel", "feature_projection_input_dim", prefer=AUDIO)
@@ -24,6 +28,15 @@ def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     limit = ctx.integer("max_source_positions", prefer=AUDIO, default=s)
     frames = 2 ** ctx.integer("num_conv_layers", default=1) * min(s, limit)
     return ctx.randn(b, frames, width * ctx.integer("input_channels", default=1))
+
+
+def mels_first(ctx: Ctx, mels: int) -> bool:
+    """Whisper-style features, (b, mels, frames): the model's first convolution reads the mel bins as its
+    channels (a 2-D one over (frames, mels), or one after a linear layer, reads them frames first)."""
+    for m in ctx.module.modules() if ctx.module is not None else ():
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)):
+            return isinstance(m, nn.Conv1d) and m.in_channels == mels
+    return True
 
 
 def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
@@ -51,5 +64,6 @@ def audio_token(ctx: Ctx) -> int | None:
 
 def frames_mask(ctx: Ctx, feats: torch.Tensor) -> torch.Tensor:
     """All frames of `feats` valid: (b, frames), along the last axis of Whisper-style features."""
-    whisper = ctx.integer("num_mel_bins", prefer=AUDIO) == feats.shape[1]
+    mels = ctx.integer("num_mel_bins", prefer=AUDIO)
+    whisper = mels == feats.shape[1] and ctx.integer("input_feat_per_channel") is None and mels_first(ctx, mels)
     return torch.ones(feats.shape[0], feats.shape[-1] if whisper else feats.shape[1], dtype=torch.long)
