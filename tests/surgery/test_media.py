@@ -45,7 +45,8 @@ def _parakeet():
                                                        subsampling_conv_channels=8))
 
 
-@pytest.mark.parametrize("make", [_qwen2_vl, _video_llama_3_tower, _qwen2_audio, _parakeet], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("make", [_qwen2_vl, _video_llama_3_tower, _qwen2_audio, _parakeet],
+                         ids=lambda f: f.__name__[1:])
 def test_media_decoders_and_grid_towers_convert_exactly(make):
     torch.manual_seed(0)
     model = perturb(make()).eval()
