@@ -176,8 +176,11 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     """The plan for converting `sites` exactly, from the trace `t` of `model`."""
     norms: dict[str, NormPlan] = {}
     needs: dict[str, dict[tuple, str]] = {}   # label -> channel range -> a norm that needs it centred
-    many = sum(bool(t.fed_norms.get("norm:" + s.name)) and bool(t.readers.get(s.name) or t.uses.get("norm:" + s.name))
-               for s in sites) > 1
+    # post-LN: norms whose output is both in the stream and read, one feeding the next (not one such norm per
+    # tower: LLaVA's image and video towers' pre-norms, read by the projector)
+    placed = {s.name for s in sites if t.fed_norms.get("norm:" + s.name)
+              and (t.readers.get(s.name) or t.uses.get("norm:" + s.name))}
+    many = any(set(t.fed_norms["norm:" + n]) & (placed - {n}) for n in placed)
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)

@@ -332,3 +332,16 @@ def test_native_resolution_images_get_patch_masks_and_shapes():
     assert first["pixel_attention_mask"].shape == (2, 16) and bool(first["pixel_attention_mask"].all())
     assert rest[-1]["spatial_shapes"].tolist() == [[4, 8]] * 2
     assert {n for n, _ in model.named_parameters()} == used(model, [first])
+
+
+def test_videos_at_video_tokens_run_the_video_tower():
+    """Video-LLaVA reads videos through a tower of their own: the first batch carries a clip (frames axis) at
+    as many video tokens as the model reports (8 frames x 5 tokens), beside an image at image tokens."""
+    model = build(tf.VideoLlavaForConditionalGeneration, image_token_index=98, video_token_index=97,
+                  vision_config=dict(model_type="clip_vision_model", **dict(TINY, image_size=16, patch_size=8)),
+                  text_config=dict(model_type="llama", vocab_size=99, num_key_value_heads=2,
+                                   max_position_embeddings=256, **TINY))
+    first, second = sample_inputs(model)
+    assert first["pixel_values_videos"].shape == (1, 8, 3, 16, 16) and int((first["input_ids"] == 97).sum()) == 40
+    assert "pixel_values" in first and "pixel_values_videos" not in second
+    assert any(n.startswith("model.video_tower.") for n in used(model, [first]))

@@ -295,6 +295,15 @@ def test_auto_falls_back_when_no_sample_input_can_be_built(monkeypatch):
     (lambda: tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2,
                                               attention_hidden_size=D, context_length=32)),
      r"mixed \(operation 'add' in rwkv.blocks.0\) with a value that went through mul by a per-channel tensor"),
+    # the projector reads both towers' raw streams: one such norm per tower is no post-LN chain
+    (lambda: tf.VideoLlavaForConditionalGeneration(tf.VideoLlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=D, intermediate_size=32, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=16, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=V, hidden_size=D, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256),
+        image_token_index=V - 1, video_token_index=V - 2)),
+     r"_tower.pre_layrnorm's output is added to the residual stream and also read directly by "
+     r"model.multi_modal_projector.linear_1"),
 ])
 def test_refusals_name_the_true_cause(make, reason):
     with pytest.raises(NormswapError, match=reason) as e:

@@ -27,9 +27,9 @@ OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidde
 # how many tiles of one image the model expected (LLaVA-NeXT splits its pixel values per image)
 TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
 # what the model reports when the image (audio) tokens in the text do not match its image (audio) features
-MISMATCH = re.compile(r"(?:image|audio) tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
+MISMATCH = re.compile(r"(?:image|video|audio) tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
 # a decoder's inputs that it splices into its text at their tokens: input -> what they are
-MEDIA = {"pixel_values": "image", "input_features": "audio"}
+MEDIA = {"pixel_values": "image", "pixel_values_videos": "video", "input_features": "audio"}
 # masks over an audio input's frames
 FRAME_MASKS = ("input_features_mask", "feature_attention_mask")
 
@@ -112,7 +112,8 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
             x["merge_sizes"] = torch.full((b,), vision.merge(ctx))
     if "pixel_values" in x and ctx.has("spatial_shapes") and (flex := vision.naflex(ctx, b, wide=not first)):
         x["pixel_values"], x["pixel_attention_mask"], x["spatial_shapes"] = flex
-    if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required):
+    if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required or
+                                           first and "input_ids" in x and vision.video_token(ctx) is not None):
         x["pixel_values_videos"] = vision.pixels(ctx, b, video=True)
     if ctx.passes_on("bool_masked_pos") and ("pixel_values" in x or "pixel_values_videos" in x) and \
             (first and vision.reads_masks(ctx) or "bool_masked_pos" in required):
@@ -198,15 +199,16 @@ def media_tokens(ctx: Ctx, batches: list[dict], mains: list[str], key: str) -> l
     patches with their grid: Qwen-VL). Optional inputs the model cannot read are left out: their path then
     stays untraced."""
     kind = MEDIA[key]
-    token = vision.image_token(ctx) if kind == "image" else audio.audio_token(ctx)
+    token = {"image": vision.image_token, "video": vision.video_token, "audio": audio.audio_token}[kind](ctx)
     todo = [i for i, x in enumerate(batches) if token is not None and key in x and "input_ids" in x]
     if not todo:
         return batches
     n = (vision.image_tokens_per_image(ctx) or 1) if kind == "image" else 1
     if not ctx.runnable:   # a guess no forward has checked would trace (and verify) another path
-        raise ctx.refuse(f"how many {kind} tokens an {kind} fills is checked by a trial forward, which needs "
+        raise ctx.refuse(f"how many {kind} tokens one {kind} fills is checked by a trial forward, which needs "
                          "the weights")
-    found, error = trial(ctx, batches[todo[0]], token, n, key)
+    later = list(MEDIA)[list(MEDIA).index(key) + 1:]   # not spliced yet: left out of this trial
+    found, error = trial(ctx, {k: v for k, v in batches[todo[0]].items() if k not in later}, token, n, key)
     if found is None:
         if key in mains or key in ctx.required():
             raise ctx.refuse(f"{kind}s with {kind} tokens: the model refused every form tried ({error})")

@@ -112,6 +112,10 @@ def image_token(ctx: Ctx) -> int | None:
     return ctx.integer("image_token_id", "image_token_index", minimum=0)
 
 
+def video_token(ctx: Ctx) -> int | None:
+    return ctx.integer("video_token_id", "video_token_index", minimum=0)
+
+
 def naflex(ctx: Ctx, b: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """SigLIP 2's native-resolution images: b images of 4x4 (`wide`: 4x8) patches, each flattened, the mask
     of real patches and each image's (rows, columns); None without a patch size."""
