@@ -345,3 +345,11 @@ def test_videos_at_video_tokens_run_the_video_tower():
     assert first["pixel_values_videos"].shape == (1, 8, 3, 16, 16) and int((first["input_ids"] == 97).sum()) == 40
     assert "pixel_values" in first and "pixel_values_videos" not in second
     assert any(n.startswith("model.video_tower.") for n in used(model, [first]))
+
+
+def test_an_encoder_that_requires_a_frame_mask_gets_one():
+    """Audio Flamingo 3's encoder fails without `input_features_mask`: every frame is marked real."""
+    model = build(tf.AudioFlamingo3Encoder, num_mel_bins=16, max_source_positions=8, **TINY)
+    (x,) = sample_inputs(model)
+    assert x["input_features"].shape == (2, 16, 16) and torch.equal(x["input_features_mask"], torch.ones(2, 16).long())
+    assert any(n.startswith("layers.") for n in used(model, [x]))

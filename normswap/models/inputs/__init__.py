@@ -123,6 +123,8 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
     if "input_features" in mains or "input_features" in required or \
             first and "input_ids" in x and ctx.has("input_features") and audio.audio_token(ctx) is not None:
         x["input_features"] = audio.features(ctx, b, s)
+        for mask in (m for m in FRAME_MASKS if ctx.has(m)):   # every frame real
+            x[mask] = audio.frames_mask(ctx, x["input_features"])
     if "input_values" in mains or "input_values" in required:
         x["input_values"] = audio.values(ctx, b, s)
         if ctx.has("attention_mask") and "input_ids" not in x and x["input_values"].dim() == 2:
@@ -243,13 +245,10 @@ def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, i
 
 
 def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
-    """x with n image (audio) tokens after the first token of every row (masks and token types grow with
-    them), its images in the given form, its audio features with their frame masks."""
+    """x with n image (video, audio) tokens after the first token of every row (masks and token types grow
+    with them), its images in the given form."""
     y = dict(x)
     b = y["input_ids"].shape[0]
-    for mask in FRAME_MASKS if "input_features" in x and "pixel_values" not in x else ():
-        if ctx.has(mask):
-            y[mask] = audio.frames_mask(ctx, x["input_features"])
     if form.startswith("grid:"):   # Qwen-VL: one list of patches, each image's grid, the tokens it merges into
         patches, y["image_grid_thw"] = vision.grid_patches(ctx, len(x["pixel_values"]), wide=False)
         shapes = vision.patch_shapes(ctx, patches)
