@@ -3,9 +3,9 @@ backbone, encoder and decoder configs included) and the sizes its own embeddings
 plan traces and what verification compares on.
 
 Several batches, so that every path that can write into the residual stream runs in at least one: the
-first turns the optional inputs on (images with their image tokens in multimodal decoders,
+first turns the optional inputs on (images, videos and audio with their tokens in multimodal decoders,
 `bool_masked_pos`, token types, layout boxes), the second is a larger batch with right-padded rows
-(and text alone where images are optional). Where a guess needs the model's word (how many image tokens
+(and text alone where those are optional). Where a guess needs the model's word (how many image tokens
 one image fills) a trial forward corrects it; an optional input the model then rejects is left out.
 Where no input can be built, a one-line NormswapError names what is missing.
 """
@@ -26,7 +26,7 @@ MAINS = ("input_ids", "pixel_values", "pixel_values_videos", "input_features", "
 OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidden_states", "encoder_outputs")
 # how many tiles of one image the model expected (LLaVA-NeXT splits its pixel values per image)
 TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
-# what the model reports when the image (audio) tokens in the text do not match its image (audio) features
+# what the model reports when the image (video, audio) tokens in the text do not match its features
 MISMATCH = re.compile(r"(?:image|video|audio) tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
 # a decoder's inputs that it splices into its text at their tokens: input -> what they are
 MEDIA = {"pixel_values": "image", "pixel_values_videos": "video", "input_features": "audio"}
