@@ -28,8 +28,9 @@ OPTIONAL = ("bool_masked_pos", "bbox", "token_type_ids", "noise", "encoder_hidde
 TILES = re.compile(r"split_sizes to sum exactly to \d+ .*got split_sizes=\[(\d+)")
 # what the model reports when the image (video, audio) tokens in the text do not match its features
 MISMATCH = re.compile(r"(?:image|video|audio) tokens do not match\W+tokens\W+(\d+)\W+features\W+(\d+)", re.I)
-# a decoder's inputs that it splices into its text at their tokens: input -> what they are
-MEDIA = {"pixel_values": "image", "pixel_values_videos": "video", "input_features": "audio"}
+# a decoder's inputs that it splices into its text at their tokens: input -> (what they are, their token)
+MEDIA = {"pixel_values": ("image", vision.image_token), "pixel_values_videos": ("video", vision.video_token),
+         "input_features": ("audio", audio.audio_token)}
 # masks over an audio input's frames
 FRAME_MASKS = ("input_features_mask", "feature_attention_mask")
 
@@ -109,7 +110,7 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
     if grid := vision.grid_tower(ctx):
         x[mains[0]], x[grid] = vision.grid_patches(ctx, b, wide=not first)
         if ctx.has("merge_sizes"):   # Video-LLaMA 3: each image's merge
-            x["merge_sizes"] = torch.full((b,), vision.merge(ctx))
+            x["merge_sizes"] = vision.merges(ctx, b)
     if "pixel_values" in x and ctx.has("spatial_shapes") and (flex := vision.naflex(ctx, b, wide=not first)):
         x["pixel_values"], x["pixel_attention_mask"], x["spatial_shapes"] = flex
     if ctx.has("pixel_values_videos") and ("pixel_values_videos" in mains or "pixel_values_videos" in required or
@@ -152,8 +153,9 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
 def grid_shape(ctx: Ctx, batches: list[dict], name: str) -> list[dict]:
     """The batches with their patches in the first shape the tower runs on (see `vision.patch_shapes`), tried
     with the weights, or on the meta device when streaming; as built where none runs (its error says why)."""
-    for k in range(len(vision.patch_shapes(ctx, batches[0][name]))):
-        shaped = [{**x, name: vision.patch_shapes(ctx, x[name])[k]} for x in batches]
+    options = [vision.patch_shapes(ctx, x[name]) for x in batches]
+    for k in range(len(options[0])):
+        shaped = [{**x, name: shapes[k]} for x, shapes in zip(batches, options)]
         if not run_either(ctx, shaped[0]):
             return shaped
     return batches
@@ -200,8 +202,8 @@ def media_tokens(ctx: Ctx, batches: list[dict], mains: list[str], key: str) -> l
     wants (flattened patches: Fuyu; an images axis: Idefics; each image's size and its tiles: LLaVA-NeXT;
     patches with their grid: Qwen-VL). Optional inputs the model cannot read are left out: their path then
     stays untraced."""
-    kind = MEDIA[key]
-    token = {"image": vision.image_token, "video": vision.video_token, "audio": audio.audio_token}[kind](ctx)
+    kind, token_of = MEDIA[key]
+    token = token_of(ctx)
     todo = [i for i, x in enumerate(batches) if token is not None and key in x and "input_ids" in x]
     if not todo:
         return batches
@@ -223,8 +225,12 @@ def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, i
     """((form of the `key` input, tokens per item), "") that the model runs with, or (None, its last error)."""
     error = ""
     hidden = ctx.integer("hidden_size", "d_model", prefer=("text_config",), default=1)
-    forms = ["as built"] if key != "pixel_values" else ["grid:0", "grid:1", "grid:2"] \
-        if ctx.has("image_grid_thw") else ["as built", "patches", "per image"] + ["sized"] * ctx.has("image_sizes")
+    if key != "pixel_values":   # videos and audio as built
+        forms = ["as built"]
+    elif ctx.has("image_grid_thw"):   # one list of patches in each shape a tower reads (vision.patch_shapes)
+        forms = ["grid:0", "grid:1", "grid:2"]
+    else:
+        forms = ["as built", "patches", "per image"] + ["sized"] * ctx.has("image_sizes")
     for form in forms:
         counts, tried = [n], set()
         while counts:
@@ -257,7 +263,7 @@ def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
         y["pixel_values"] = shapes[int(form[5:])]
         n = int(y["image_grid_thw"][0].prod()) // vision.merge(ctx) ** 2
         if ctx.has("image_merge_sizes"):   # Video-LLaMA 3: each image's merge
-            y["image_merge_sizes"] = torch.full((len(y["image_grid_thw"]),), vision.merge(ctx))
+            y["image_merge_sizes"] = vision.merges(ctx, len(y["image_grid_thw"]))
     elif form == "patches":
         y["pixel_values"] = vision.flat_patches(ctx, len(x["pixel_values"]))
         if y["pixel_values"] is None:

@@ -16,10 +16,10 @@ def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     """input_features: Whisper-style (b, mel bins, 2 x encoder positions), FastConformer-style (b, frames,
     mel bins), frames the subsampling factor times s, or Speech2Text-style (b, frames, features), frames
     halved by each conv layer."""
-    mels = ctx.integer("num_mel_bins", prefer=AUDIO)
-    if mels is not None and ctx.integer("input_feat_per_channel") is None:
-        if not mels_first(ctx, mels):   # FastConformer (Parakeet, Canary, LASR): (b, frames, mels)
-            return ctx.randn(b, ctx.integer("subsampling_factor", prefer=AUDIO, default=4) * s, mels)
+    mels, form = ctx.integer("num_mel_bins", prefer=AUDIO), layout(ctx)
+    if form == "frames, mels":   # FastConformer (Parakeet, Canary, LASR)
+        return ctx.randn(b, ctx.integer("subsampling_factor", prefer=AUDIO, default=4) * s, mels)
+    if form == "mels, frames":
         positions = ctx.integer("max_source_positions", prefer=AUDIO, default=WHISPER_POSITIONS)
         return ctx.randn(b, mels, 2 * positions)
     width = ctx.integer("input_feat_per_channel", "feature_projection_input_dim", prefer=AUDIO)
@@ -30,13 +30,17 @@ def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     return ctx.randn(b, frames, width * ctx.integer("input_channels", default=1))
 
 
-def mels_first(ctx: Ctx, mels: int) -> bool:
-    """Whisper-style features, (b, mels, frames): the model's first convolution reads the mel bins as its
-    channels (a 2-D one over (frames, mels), or one after a linear layer, reads them frames first)."""
+def layout(ctx: Ctx) -> str:
+    """How input_features hold their values after the batch: "mels, frames" (Whisper: the model's first
+    convolution reads the mel bins as its channels), "frames, mels" (a 2-D convolution over them, or one
+    after a linear layer: FastConformer), or "frames, features" (Speech2Text, no num_mel_bins)."""
+    mels = ctx.integer("num_mel_bins", prefer=AUDIO)
+    if mels is None or ctx.integer("input_feat_per_channel") is not None:
+        return "frames, features"
     for m in ctx.module.modules() if ctx.module is not None else ():
         if isinstance(m, (nn.Conv1d, nn.Conv2d)):
-            return isinstance(m, nn.Conv1d) and m.in_channels == mels
-    return True
+            return "mels, frames" if isinstance(m, nn.Conv1d) and m.in_channels == mels else "frames, mels"
+    return "mels, frames"
 
 
 def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
@@ -63,7 +67,6 @@ def audio_token(ctx: Ctx) -> int | None:
 
 
 def frames_mask(ctx: Ctx, feats: torch.Tensor) -> torch.Tensor:
-    """All frames of `feats` valid: (b, frames), along the last axis of Whisper-style features."""
-    mels = ctx.integer("num_mel_bins", prefer=AUDIO)
-    whisper = mels == feats.shape[1] and ctx.integer("input_feat_per_channel") is None and mels_first(ctx, mels)
-    return torch.ones(feats.shape[0], feats.shape[-1] if whisper else feats.shape[1], dtype=torch.long)
+    """All frames of `feats` (built by `features`) valid: (b, frames)."""
+    frames = feats.shape[-1] if layout(ctx) == "mels, frames" else feats.shape[1]
+    return torch.ones(feats.shape[0], frames, dtype=torch.long)

@@ -139,6 +139,11 @@ def merge(ctx: Ctx) -> int:
     return size[0] if size else 1
 
 
+def merges(ctx: Ctx, n: int) -> torch.Tensor:
+    """Each of n images' merge, for towers that take it per image (Video-LLaMA 3)."""
+    return torch.full((n,), merge(ctx))
+
+
 def patch_width(ctx: Ctx) -> int | None:
     """Values in one flattened patch: what the grid tower's patch embedding (its first linear or convolution)
     reads, else channels x frames per patch x patch area from the config."""
