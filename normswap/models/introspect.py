@@ -71,3 +71,16 @@ def is_conv1d(layer: nn.Module) -> bool:
 
 def is_linear(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Linear) or is_conv1d(layer)
+
+
+def is_scale(module: nn.Module) -> bool:
+    """A per-channel scale (LayerScale): one 1-D parameter, not a linear layer or an embedding."""
+    params = list(module.parameters(recurse=False))
+    return len(params) == 1 and params[0].dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
+
+
+def in_width(module: nn.Module) -> int:
+    """The input width of a linear layer (GPT-2 Conv1D too); -1 for other modules."""
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    return module.weight.shape[0] if is_conv1d(module) else -1

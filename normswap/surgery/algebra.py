@@ -46,6 +46,12 @@ def centred(t: torch.Tensor, dim: int, group: int, ranges: tuple = ()) -> torch.
     return (x - x.mean(-1, keepdim=True)).flatten(-2).movedim(-1, dim)
 
 
+def rows_centred(x: torch.Tensor) -> bool:
+    """Whether every row of x (along the last dim) has mean ~0 for its size: centring it changes nothing."""
+    x = x.detach().double()
+    return bool((x.mean(-1).abs() <= 1e-4 * x.pow(2).mean(-1).sqrt() + 1e-30).all())
+
+
 def _centre_in_place(t: torch.Tensor, dim: int, group: int, ranges: tuple) -> None:
     """`centred`, written back; a 2-D weight a slice at a time (each slice whole along `dim`), a stacked one
     (experts, dim > 0) one 2-D slice after another."""

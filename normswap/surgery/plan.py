@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from normswap.models.introspect import is_linear
+from normswap.models.introspect import is_linear, norm_kind
 from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
@@ -134,6 +134,14 @@ def _post_ln(t: Trace, name: str, fed: str, many: bool = True) -> str | None:
             "own in between), so the stream carries a mean that depends on the input")
 
 
+def _rms_norm(model: nn.Module, user: str) -> bool:
+    """Whether `user` ("<module> (<class>)", or an operation, or a model output) is an RMSNorm module."""
+    try:
+        return norm_kind(model.get_submodule(user.partition(" (")[0])) == "rmsnorm"
+    except AttributeError:
+        return False
+
+
 def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges, many: bool) -> str | None:
     kind, _, name = label.partition(":")
     if kind == "norm":
@@ -144,6 +152,9 @@ def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges, ma
         if user.startswith("the model output"):
             return (f"{user} is the unnormalised residual stream (written by {name}); only outputs read through "
                     "a final norm can be kept exact")
+        if _rms_norm(model, user):
+            return (f"{name} writes the input of {norm} but its output is also read by {user}, an RMSNorm, which "
+                    "is not invariant to the mean that centring removes")
         return f"{name} writes the input of {norm} but its output is also read unnormalised by {user}"
     if label in t.scales:   # folded into the one layer it scales, which is then centred
         inner = {lb for f in t.scales[label] for lb in f.labels}

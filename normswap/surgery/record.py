@@ -10,9 +10,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from normswap.models.introspect import is_conv1d
+from normswap.models.introspect import in_width, is_scale, norm_kind
 from normswap.parity import main_output
 from normswap.surgery import rules
+from normswap.surgery.algebra import rows_centred
 from normswap.surgery.flow import ZERO, Flow, NormInput, decode, norm_input, opaque
 
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
@@ -63,18 +64,6 @@ def named_outputs(obj, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     if isinstance(obj, (list, tuple)):
         return [t for i, v in enumerate(obj) for t in named_outputs(v, f"{prefix}{i}.")]
     return []
-
-
-def is_scale(module: nn.Module) -> bool:
-    """A per-channel scale (LayerScale): one 1-D parameter, not a linear layer or an embedding."""
-    params = list(module.parameters(recurse=False))
-    return len(params) == 1 and params[0].dim() == 1 and not isinstance(module, (nn.Linear, nn.Embedding))
-
-
-def in_width(module: nn.Module) -> int:
-    if isinstance(module, nn.Linear):
-        return module.in_features
-    return module.weight.shape[0] if is_conv1d(module) else -1
 
 
 class Recorder(TorchFunctionMode):
@@ -323,10 +312,14 @@ class Recorder(TorchFunctionMode):
         self.trace.ran.update(f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False))
         x = next(iter(tensors_in((args, kwargs))), None)
         flow = None if x is None else self.get(x)
-        if name in self.norms:
+        # an RMSNorm reading rows that are not centred reads them like any layer (centring changes its output);
+        # one reading centred rows (converted by an earlier exact pass) is a norm the stream feeds
+        self.inside, rms = name, norm_kind(module) == "rmsnorm"   # rows_centred's own ops are not the model's
+        reader, self.inside = name in self.norms and rms and x is not None and not rows_centred(x), None
+        if name in self.norms and not reader:
             self._norm_input(name, x, flow)
-        elif flow is not None and flow.pure and not flow.zero and is_scale(module) and flow.codes is None \
-                and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
+        elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \
+                and flow.codes is None and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
             self.trace.scales["layer:" + name].append(flow)   # foldable into the layer before: not a use
             self.inside = name
             return

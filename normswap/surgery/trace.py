@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.models.introspect import is_linear
+from normswap.models.introspect import is_linear, is_scale
 from normswap.parity import batch_rows
 from normswap.surgery.flow import NormInput
-from normswap.surgery.record import IGNORE, Recorder, Trace, is_scale, tensors_in
+from normswap.surgery.record import IGNORE, Recorder, Trace, tensors_in
 
 __all__ = ["IGNORE", "Trace", "hooked", "tensors_in", "trace"]
 

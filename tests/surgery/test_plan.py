@@ -122,6 +122,35 @@ def test_convolutions_centred_only_when_not_grouped(groups, kind, feed):
     assert compare(reference, model, [{"input_ids": ids(3, 5)}]).max_rel <= 1e-5
 
 
+class RmsStream(nn.Module):
+    """A stream read by a LayerNorm and by an RMSNorm of the model's own (LFM's vision tower): centring the
+    stream would change the RMSNorm's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.emb, self.ln, self.lin = nn.Embedding(V, D), nn.LayerNorm(D), nn.Linear(D, D)
+        self.rms, self.lin2 = nn.RMSNorm(D), nn.Linear(D, D)
+        self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)
+        x = x + self.lin(self.ln(x))
+        x = x + self.lin2(self.rms(x))
+        return CausalLMOutput(logits=self.head(self.ln_f(x)))
+
+
+def test_a_stream_an_rmsnorm_reads_is_not_centred(feed):
+    """Refused naming the RMSNorm as the cause (the trace used to miss it and only the rehearsal refused, with
+    no cause); an RMSNorm reading centred rows is a norm the stream feeds (converted by an earlier pass: see
+    test_exact_in_two_filtered_passes)."""
+    model = _fresh(RmsStream)
+    feed({"input_ids": ids()})
+    with pytest.raises(NormswapError, match=r"emb writes the input of ln but its output is also read by rms "
+                                            r"\(RMSNorm\), an RMSNorm, which is not invariant to the mean"):
+        normswap.convert(model, method="exact")
+
+
 def test_convnext_block_norms_refused_up_front_naming_the_depthwise_conv():
     cfg = tf.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], image_size=32)
     model = _fresh(lambda: tf.ConvNextModel(cfg))
