@@ -89,6 +89,20 @@ def test_a_missing_or_reshaped_output_is_an_infinite_error():
     assert p.worst == "pooler_output" and p.max_rel == float("inf") and p.outputs["logits"]["max_rel"] == 0.0
 
 
+@torch.no_grad()
+def test_an_empty_output_is_equal_and_the_rest_still_compared():
+    """A width-0 output (GLM-5-Next's router slot in a tiny config) has nothing to differ in; it used to raise."""
+    class Empty(Toy):
+        def forward(self, input_ids, attention_mask=None):
+            out = super().forward(input_ids, attention_mask)
+            return {**out, "router": out["encoder_last_hidden_state"][..., :0]}
+    toy, changed = Empty(), Empty()
+    changed.load_state_dict(toy.state_dict())
+    changed.head.bias += 1.0
+    p = compare(toy, changed, batches())
+    assert p.outputs["router"] == {"max_abs": 0.0, "max_rel": 0.0} and p.worst == "logits" and p.max_rel > 0.01
+
+
 def tiny_git():
     torch.manual_seed(0)
     return tf.GitForCausalLM(tf.GitConfig(vocab_size=60, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
