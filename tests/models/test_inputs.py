@@ -353,3 +353,131 @@ def test_an_encoder_that_requires_a_frame_mask_gets_one():
     (x,) = sample_inputs(model)
     assert x["input_features"].shape == (2, 16, 16) and torch.equal(x["input_features_mask"], torch.ones(2, 16).long())
     assert any(n.startswith("layers.") for n in used(model, [x]))
+
+
+def test_cross_attended_images_get_an_images_axis_and_their_mask():
+    """Idefics cross-attends to its images: (batch, images, channels, h, w) and an `image_attention_mask`
+    over (text, images), found by a trial forward, so its vision tower and gated cross-attention run."""
+    model = build(tf.IdeficsModel, **dict(TINY, vocab_size=99, max_position_embeddings=64),
+                  vision_config=dict(embed_dim=32, image_size=32, patch_size=8, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64),
+                  perceiver_config=dict(use_resampler=False), cross_layer_interval=1,
+                  freeze_text_layers=False, freeze_vision_layers=False)   # its default trains only the new layers
+    first, second = sample_inputs(model)
+    assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and second["pixel_values"].shape[:2] == (2, 1)
+    assert torch.equal(first["image_attention_mask"], torch.ones(1, 16, 1).long())
+    names = used(model, [first])
+    assert any(n.startswith("vision_model.encoder") for n in names)
+    assert any(n.startswith("gated_cross_attn_layers.0.cross_attn") for n in names)
+
+
+def test_a_video_model_whose_only_token_is_a_video_token_reads_its_clips_there():
+    """InstructBLIP-Video takes its clips as `pixel_values` (an axis of frames) at video tokens: the query
+    tokens of each frame, as the model counts them."""
+    model = build(tf.InstructBlipVideoForConditionalGeneration, num_query_tokens=4, video_token_index=98,
+                  vision_config=dict(TINY, image_size=16, patch_size=8),
+                  qformer_config=dict(TINY, vocab_size=99, encoder_hidden_size=32),
+                  text_config=dict(model_type="opt", vocab_size=99, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                   num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=128))
+    first, _ = sample_inputs(model)
+    frames = first["pixel_values"].shape[1]
+    assert first["pixel_values"].dim() == 5 and int((first["input_ids"] == 98).sum()) == 4 * frames
+    assert any(n.startswith("vision_model.encoder") for n in used(model, [first]))
+
+
+def test_images_placed_by_a_position_mask_and_region_features():
+    """Kosmos-2 places its image features where `image_embeds_position_mask` says (as many as its latent
+    queries); LXMERT reads detected regions' features and boxes; X-MOD a language per row; CANINE code points."""
+    kosmos = build(tf.Kosmos2Model, latent_query_num=4,
+                   text_config=dict(vocab_size=99, embed_dim=32, layers=2, attention_heads=2, ffn_dim=64,
+                                    max_position_embeddings=128),
+                   vision_config=dict(TINY, image_size=16, patch_size=8))
+    first, _ = sample_inputs(kosmos)
+    mask = first["image_embeds_position_mask"]
+    assert mask.shape == first["input_ids"].shape and mask[0].tolist() == [0] + [1] * 4 + [0] * (mask.shape[1] - 5)
+    assert any(n.startswith("image_to_text_projection") for n in used(kosmos, [first]))
+    lxmert = build(tf.LxmertModel, hidden_size=32, num_attention_heads=2, intermediate_size=64, l_layers=1,
+                   x_layers=1, r_layers=1, visual_feat_dim=12, visual_pos_dim=4, vocab_size=99)
+    x = sample_inputs(lxmert)[0]
+    assert x["visual_feats"].shape == (1, 8, 12) and x["visual_pos"].shape == (1, 8, 4)
+    assert any(n.startswith("encoder.visn_fc") for n in used(lxmert, [x]))
+    xmod = build(tf.XmodModel, **TINY, vocab_size=99, languages=["en_XX", "de_DE"])
+    assert sample_inputs(xmod)[-1]["lang_ids"].tolist() == [0, 1]
+    canine = build(tf.CanineModel, **TINY, downsampling_rate=2, num_hash_buckets=64)
+    assert int(sample_inputs(canine)[0]["input_ids"].max()) < 128
+
+
+def test_navit_packed_images_get_a_strip_of_patches_and_their_sizes():
+    """MiniCPM-V reads its images' patches side by side in one strip of pixels with each image's (rows, columns)
+    in `target_sizes`; the decoder gets as many image tokens as the model reports (its merges: 1 per image)."""
+    vision = dict(TINY, image_size=32, patch_size=8, insert_layer_id=0)
+    tower = build(tf.MiniCPMV4_7VisionModel, **vision)
+    (x,) = sample_inputs(tower)
+    assert x["pixel_values"].shape == (1, 3, 8, 2 * 16 * 8) and x["target_sizes"].tolist() == [[4, 4]] * 2
+    assert any(n.startswith("vit_merger.") for n in used(tower, [x]))
+    model = build(tf.MiniCPMV4_6Model, vision_config=vision, insert_layer_id=0, image_token_id=98,
+                  text_config=dict(model_type="qwen2", vocab_size=99, num_key_value_heads=2, **TINY))
+    first, _ = sample_inputs(model)
+    assert first["target_sizes"].tolist() == [[4, 4]] and int((first["input_ids"] == 98).sum()) == 1
+    assert any(n.startswith("vision_tower.encoder") for n in used(model, [first]))
+
+
+def test_omni_thinker_gets_patches_and_mel_features_in_the_order_its_towers_read():
+    """Qwen3-Omni's thinker registers its vision mergers before its patch embedding (the patch width is read
+    from the embedding); its audio encoder's 2-D convolution reads (mels, frames), an order the trial forward
+    finds. Images and audio reach their towers, at their tokens."""
+    rope = dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 1, 1])
+    model = build(tf.Qwen3OmniMoeThinkerForConditionalGeneration, audio_token_id=98, image_token_id=97,
+                  video_token_id=96, audio_start_token_id=95, vision_start_token_id=94,
+                  audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                                    d_model=32, output_dim=32, downsample_hidden_size=8),
+                  vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                                     out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+                  text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=16,
+                                   num_experts=4, num_experts_per_tok=2, rope_parameters=rope,
+                                   max_position_embeddings=256))
+    first, _ = sample_inputs(model)
+    assert first["pixel_values"].shape[1] == 3 * 2 * 8 * 8 and int((first["input_ids"] == 97).sum()) == 4
+    mels, frames = first["input_features"].shape[1:]
+    assert mels == 16 and first["feature_attention_mask"].shape == (1, frames)
+    assert int((first["input_ids"] == 98).sum()) >= 1
+    names = used(model, [first])
+    assert any(n.startswith("model.visual.blocks") or n.startswith("visual.blocks") for n in names)
+    assert any(".audio_tower.layers" in "." + n for n in names)
+
+
+def test_audio_layouts_the_model_reads():
+    """OmniASR's front end reads (batch, 1, samples); Qwen3-ASR's encoder reads (batch, mels, frames) through a
+    2-D convolution, in whole windows of 2 x n_window frames: a trial forward finds both layouts."""
+    omni = build(tf.OmniASRCTCModel, vocab_size=99, audio_config=dict(
+        TINY, conv_dim=[8, 8], conv_kernel=[10, 3], conv_stride=[5, 2], num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2))
+    x = sample_inputs(omni)[0]
+    assert x["input_values"].dim() == 3 and x["input_values"].shape[1] == 1
+    assert any(".layers.0." in n for n in used(omni, [x]))
+    asr = build(tf.Qwen3ASREncoder, num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                d_model=32, output_dim=32, downsample_hidden_size=8, max_position_embeddings=64)   # n_window 50
+    x = sample_inputs(asr)[0]
+    assert x["input_features"].shape[1] == 16 and x["input_features"].shape[2] % 100 == 0
+    assert x["input_features_mask"].shape == (2, x["input_features"].shape[2])
+    assert any(n.startswith("layers.0.") for n in used(asr, [x]))
+
+
+def test_tiles_with_their_mask_and_a_second_high_resolution_tower():
+    """Granite-Docling reads an images axis with the real tiles marked (`pixel_attention_mask`); DeepSeek-VL
+    hybrid reads each image again at its SAM tower's size (`high_res_pixel_values`): both towers run."""
+    text = dict(TINY, vocab_size=120, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    docling = build(tf.GraniteDoclingForConditionalGeneration, image_token_id=110, text_config=text, pad_token_id=0,
+                    vision_config=dict(TINY, image_size=32, patch_size=8, out_hidden_size=32, scale_factor=2,
+                                       deepstack_visual_indexes=[0]))
+    first, _ = sample_inputs(docling)
+    assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and first["pixel_attention_mask"].tolist() == [[True]]
+    assert any(".vision_model.encoder" in "." + n for n in used(docling, [first]))
+    hybrid = build(tf.DeepseekVLHybridForConditionalGeneration, image_token_id=110,
+                   text_config=dict(model_type="llama", **text), vision_config=dict(TINY, image_size=32, patch_size=8),
+                   high_res_vision_config=dict(TINY, image_size=64, patch_size=8, output_channels=32, window_size=2,
+                                               global_attn_indexes=[1], mlp_dim=64))
+    first, _ = sample_inputs(hybrid)
+    assert first["high_res_pixel_values"].shape == (1, 3, 64, 64) and int((first["input_ids"] == 110).sum()) >= 1
+    assert any("high_res_vision_model" in n for n in used(hybrid, [first]))

@@ -61,3 +61,27 @@ def test_media_decoders_and_grid_towers_convert_exactly(make):
     naive = copy.deepcopy(reference)
     normswap.convert(naive, method="naive")
     assert compare(reference, naive, unseen, skip=kept).max_rel > 0.05   # the perturbed biases matter
+
+
+def test_images_placed_by_a_position_mask_convert_exactly():
+    """Kosmos-2 places its image features by `image_embeds_position_mask`: the sample inputs open that path,
+    so its vision tower and projector are planned; its inner norms (read after a gelu, or mid-attention) stay
+    LayerNorms, said so, and every output but the tower's own stream is kept."""
+    torch.manual_seed(0)
+    model = perturb(tf.Kosmos2Model(tf.Kosmos2Config(
+        latent_query_num=4, text_config=dict(vocab_size=99, embed_dim=32, layers=2, attention_heads=2, ffn_dim=64,
+                                             max_position_embeddings=128),
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                           image_size=16, patch_size=8)))).eval()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    kept = {s["name"] for s in report.skipped if s["reason"].startswith("kept as it is")}
+    assert report.method == "exact" and report.num_converted >= 8
+    assert kept and all(n.endswith(("inner_attn_ln", "ffn_layernorm")) for n in kept)
+    assert any(r.name.startswith("vision_model.") for r in report.converted)
+    unseen = sample_inputs(reference, batch=3, seed=7)
+    assert "image_embeds_position_mask" in unseen[0]
+    assert compare(reference, model, unseen, skip=report.unverified).max_rel <= 1e-4
+    naive = copy.deepcopy(reference)
+    normswap.convert(naive, method="naive")
+    assert compare(reference, naive, unseen, skip=report.unverified).max_rel > 0.05

@@ -10,6 +10,7 @@ from normswap.models.inputs.context import AUDIO, Ctx
 
 WHISPER_POSITIONS = 1500   # Whisper's 30 s window, where the config names no encoder positions
 WAVEFORM = 4000   # samples (a quarter second at 16 kHz) where the config names no conv stack
+FRAME_MASKS = ("input_features_mask", "feature_attention_mask")   # masks over an audio input's frames
 
 
 def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
@@ -17,11 +18,13 @@ def features(ctx: Ctx, b: int, s: int) -> torch.Tensor:
     mel bins), frames the subsampling factor times s, or Speech2Text-style (b, frames, features), frames
     halved by each conv layer."""
     mels, form = ctx.integer("num_mel_bins", prefer=AUDIO), layout(ctx)
+    window = 2 * ctx.integer("n_window", prefer=AUDIO, default=1)   # Qwen3-ASR reads whole windows of frames
     if form == "frames, mels":   # FastConformer (Parakeet, Canary, LASR)
-        return ctx.randn(b, ctx.integer("subsampling_factor", prefer=AUDIO, default=4) * s, mels)
+        frames = ctx.integer("subsampling_factor", prefer=AUDIO, default=4) * s
+        return ctx.randn(b, -(-frames // window) * window, mels)
     if form == "mels, frames":
         positions = ctx.integer("max_source_positions", prefer=AUDIO, default=WHISPER_POSITIONS)
-        return ctx.randn(b, mels, 2 * positions)
+        return ctx.randn(b, mels, -(-2 * positions // window) * window)
     width = ctx.integer("input_feat_per_channel", "feature_projection_input_dim", prefer=AUDIO)
     if width is None:
         raise ctx.refuse("`input_features` without num_mel_bins (Whisper) or input_feat_per_channel (Speech2Text)")

@@ -1,5 +1,6 @@
 """Token inputs: ids (never a special id such as an image token by chance), padded attention masks, token
-types, layout boxes, decoder ids, and ids of shape (batch x codebooks, length) for multi-codebook audio."""
+types, layout boxes, language ids, decoder ids, and ids of shape (batch x codebooks, length) for
+multi-codebook audio."""
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,8 @@ def special_ids(ctx: Ctx) -> set[int]:
 
 def vocab(ctx: Ctx, decoder: bool = False) -> int:
     v = ctx.integer("vocab_size", prefer=DECODER if decoder else TEXT)
+    if v is None and ctx.integer("num_hash_buckets") is not None:   # CANINE reads code points: ASCII ones
+        return 128
     if v is None:
         raise ctx.refuse("token ids need a vocabulary size (no `vocab_size` in the config)")
     return v
@@ -75,6 +78,9 @@ def text(ctx: Ctx, x: dict, b: int, s: int, padded: bool) -> None:
         x["token_type_ids"] = (torch.arange(s)[None] >= split).long()
     if ctx.has("bbox"):
         x["bbox"] = boxes(ctx, b, s)
+    languages = ctx.value("languages")
+    if ctx.has("lang_ids") and isinstance(languages, (list, tuple)) and languages:   # X-MOD: each row's adapter
+        x["lang_ids"] = torch.arange(b) % len(languages)
 
 
 def boxes(ctx: Ctx, b: int, s: int) -> torch.Tensor:

@@ -95,10 +95,26 @@ def noise(ctx: Ctx, b: int) -> torch.Tensor | None:
     return None if n is None else ctx.rand(b, n)
 
 
+def high_res(ctx: Ctx, b: int) -> torch.Tensor | None:
+    """The same b images at the size of a second, high-resolution tower (DeepSeek-VL hybrid's SAM encoder)."""
+    config = getattr(ctx.config, "high_res_vision_config", None)
+    size = pair(getattr(config, "image_size", None))
+    return None if size is None else ctx.randn(b, getattr(config, "num_channels", 3), *size)
+
+
+def regions(ctx: Ctx, b: int) -> dict:
+    """Detected regions' features and boxes (b, 8 regions, dims), for a model that reads them (LXMERT)."""
+    feats, boxes = ctx.integer("visual_feat_dim"), ctx.integer("visual_pos_dim")
+    if not ctx.has("visual_feats") or feats is None or boxes is None:
+        return {}
+    return {"visual_feats": ctx.randn(b, 8, feats), "visual_pos": ctx.rand(b, 8, boxes)}
+
+
 def image_tokens_per_image(ctx: Ctx) -> int | None:
     """A first guess at how many image tokens one image fills in the text (LLaVA-style models); a trial
     forward corrects it where the model reports the true count."""
-    n = ctx.integer("image_seq_length", "num_image_tokens", "mm_tokens_per_image", "num_query_tokens")
+    n = ctx.integer("image_seq_length", "num_image_tokens", "mm_tokens_per_image", "num_query_tokens",
+                    "latent_query_num")
     if n is not None:
         return n
     p, (h, w) = patch(ctx), image_size(ctx)
@@ -109,7 +125,10 @@ def image_tokens_per_image(ctx: Ctx) -> int | None:
 
 
 def image_token(ctx: Ctx) -> int | None:
-    return ctx.integer("image_token_id", "image_token_index", minimum=0)
+    """The token images fill; a model whose only visual input is `pixel_values` and whose only such token is
+    a video token reads videos there (InstructBLIP-Video)."""
+    token = ctx.integer("image_token_id", "image_token_index", minimum=0)
+    return video_token(ctx) if token is None and not ctx.has("pixel_values_videos") else token
 
 
 def video_token(ctx: Ctx) -> int | None:
@@ -125,6 +144,17 @@ def naflex(ctx: Ctx, b: int, wide: bool) -> tuple[torch.Tensor, torch.Tensor, to
     rows, cols = 4, 8 if wide else 4
     pixels = ctx.randn(b, rows * cols, channels(ctx) * p[0] * p[1])
     return pixels, torch.ones(b, rows * cols, dtype=torch.long), torch.tensor([[rows, cols]] * b)
+
+
+def packed(ctx: Ctx, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """NaViT-packed images (MiniCPM-V): the patches of b images of 4x4 patches (native resolution: any grid its
+    2x2 merges divide) side by side in one strip of pixels (1, channels, patch, patches x patch), and each
+    image's (rows, columns) of patches; None without a patch size."""
+    p = patch(ctx)
+    if p is None:
+        return None
+    rows = cols = 4
+    return ctx.randn(1, channels(ctx), p[0], b * rows * cols * p[1]), torch.tensor([[rows, cols]] * b)
 
 
 def grid_tower(ctx: Ctx) -> str | None:
@@ -145,10 +175,12 @@ def merges(ctx: Ctx, n: int) -> torch.Tensor:
 
 
 def patch_width(ctx: Ctx) -> int | None:
-    """Values in one flattened patch: what the grid tower's patch embedding (its first linear or convolution)
-    reads, else channels x frames per patch x patch area from the config."""
+    """Values in one flattened patch: what the grid tower's patch embedding (its first linear or convolution,
+    within a module named as an embedding where it has one: Qwen3-Omni registers its mergers first) reads, else
+    channels x frames per patch x patch area from the config."""
     reader = tower(ctx)
-    for m in reader.modules() if reader is not None else ():
+    named = sorted(reader.named_modules() if reader is not None else (), key=lambda nm: "embed" not in nm[0])
+    for _, m in named:
         if isinstance(m, nn.Linear):
             return m.in_features
         if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
