@@ -36,7 +36,7 @@ TOL = 1e-4
 SIZES = {   # attribute -> tiny value, set where the config has it (an int there)
     32: ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "projection_dim",
          "cross_attention_hidden_size", "d_embed", "image_size", "out_hidden_size",
-         "projection_hidden_size", "projector_hidden_size"),
+         "projection_hidden_size", "projector_hidden_size", "output_dim"),
     2: ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers",
         "num_decoder_layers", "num_encoder_layers", "speech_encoder_layers", "t2u_encoder_layers",
         "t2u_decoder_layers", "num_key_value_heads", "num_experts_per_tok"),
@@ -44,52 +44,80 @@ SIZES = {   # attribute -> tiny value, set where the config has it (an int there
         "decoder_attention_heads", "attention_heads", "decoder_num_attention_heads", "n_routed_experts",
         "num_experts", "num_local_experts"),
     64: ("intermediate_size", "moe_intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
-         "d_ff", "dff", "max_position_embeddings", "n_positions", "max_target_positions", "max_source_positions",
-         "n_ctx"),
-    8: ("head_dim", "d_kv", "rotary_dim", "patch_size", "kv_channels"),
+         "d_ff", "dff", "max_target_positions", "max_source_positions"),
+    128: ("max_position_embeddings", "n_positions", "n_ctx"),   # text and the image tokens spliced into it
+    8: ("head_dim", "d_kv", "rotary_dim", "patch_size", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim",
+        "v_head_dim"),
+    16: ("kv_lora_rank", "q_lora_rank", "index_head_dim"),   # an indexer head: 8 rotary channels and 8 more
+    1: ("n_group", "topk_group"),   # expert groups: the 4 experts left in one
+    0: ("insert_layer_id",),   # MiniCPM-V's merger: after the first of 2 layers
     99: ("vocab_size",),
 }
 
 
-def tiny_dict(config) -> dict:
-    """config's dict with sizes shrunk (see SIZES), per-stage lists cut to 2 stages, nested configs too."""
+def tiny_dict(config, every_kind: bool = True) -> dict:
+    """config's dict with sizes shrunk (see SIZES), per-stage lists cut to 2 stages, nested configs too;
+    per-layer lists cut to the first layers and (`every_kind`) the first layer of each kind."""
     d = config.to_dict()
     out = {}
     for value, keys in SIZES.items():
         for k in keys:
             if isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] > value:
                 out[k] = value
+    for heads, kv in (("num_attention_heads", "num_key_value_heads"), ("n_head", "n_head_kv")):
+        if heads in out and d.get(kv) == d[heads]:   # multi-head latent attention needs as many kv heads
+            out[kv] = out[heads]
+    if "qk_head_dim" in d and "qk_rope_head_dim" in out:
+        out["qk_head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", d.get("qk_nope_head_dim", 0))
     if isinstance(d.get("depths"), list):   # hierarchical vision (Swin...): 2 stages of 1 block
         out["depths"] = [1, 1]
         if isinstance(d.get("num_heads"), list):
             out["num_heads"] = [2, 4]
         out["embed_dim"] = 16
     layers = out.get("num_hidden_layers")
+    if layers and isinstance(d.get("global_attn_indexes"), list):   # SAM's global-attention layers: the last
+        out["global_attn_indexes"] = [layers - 1]
     if layers and isinstance(d.get("out_features"), list):   # a backbone: the stages its 2 layers have
         out["out_features"], out["out_indices"] = ["stage1", "stage2"], [1, 2]
+    if "sliding_window" in d and d["sliding_window"] is None and any("sliding_" in k for k in d):
+        out["sliding_window"] = 8   # Step 3.7's default config sizes its sliding layers but not their window
+    per_layer = {k: v for k, v in d.items()
+                 if isinstance(v, list) and layers and len(v) == d.get("num_hidden_layers") and len(v) > layers}
+    if per_layer:   # the first layers and the first of each kind (layer_types...): a cache needs attention
+        keep = set(range(layers)) | {v.index(x) for v in per_layer.values() for x in v
+                                     if isinstance(x, str) and every_kind}
+        out["num_hidden_layers"] = len(keep)
+        out.update({k: [v[i] for i in sorted(keep)] for k, v in per_layer.items()})
     for k, v in d.items():
-        if isinstance(v, list) and layers and len(v) == d.get("num_hidden_layers") and len(v) > layers:
-            out[k] = v[:layers]    # per-layer lists (layer_types...)
         if isinstance(v, dict) and "model_type" in v:
             sub = getattr(config, k, None)
             if hasattr(sub, "to_dict"):
-                out[k] = {**v, **tiny_dict(sub)}
+                out[k] = {**v, **tiny_dict(sub, every_kind)}
     if isinstance(d.get("mm_tokens_per_image"), int):   # Gemma 3 pools the 4x4 patches of a 32-pixel image
         out["mm_tokens_per_image"] = 4
-    if isinstance(d.get("vision_feature_layers"), list):   # VipLLaVA: as many layers, all within 2
-        out["vision_feature_layers"] = [max(-2, min(i, 1)) for i in d["vision_feature_layers"]]
+    for k in ("vision_feature_layers", "vision_feature_layer"):   # VipLLaVA: as many layers, all within 2
+        if isinstance(d.get(k), (list, tuple)):
+            out[k] = [max(-2, min(i, 1)) for i in d[k]]
+    if isinstance(d.get("projector_patch_to_query_dict"), dict):   # Aria: queries for a 32-pixel image's 16 patches
+        out["projector_patch_to_query_dict"] = {16: 4}
     if isinstance(d.get("image_grid_pinpoints"), list):   # LLaVA-NeXT: tiles of the 32-pixel images
         out["image_grid_pinpoints"] = [[32, 64], [64, 32], [64, 64]]
     rope = d.get("rope_parameters")
     if isinstance(rope, dict) and uses_mrope(config):
-        out["rope_parameters"] = {**rope, "mrope_section": [2, 1, 1]}   # (time, rows, columns) of 4 rotary pairs
+        head = out.get("head_dim") or out.get("hidden_size", 32) // out.get("num_attention_heads", 4)
+        pairs = int(head * rope.get("partial_rotary_factor", d.get("partial_rotary_factor") or 1)) // 2
+        # (time, rows, columns) of the rotary pairs: [2, 1, 1] of 4, [1, 0, 1] of GLM-4V-MoE's 2
+        out["rope_parameters"] = {**rope, "mrope_section": [pairs // 2, pairs // 4, pairs - pairs // 2 - pairs // 4]}
+    if uses_mrope(config):   # the Omni thinkers' default configs lack the vision start id their code reads
+        d.setdefault("vision_start_token_id", 10 ** 9)
     vocab = out.get("vocab_size", d.get("vocab_size"))
     if vocab is None and isinstance(out.get("text_config"), dict):   # a multimodal model's text vocabulary
         vocab = out["text_config"].get("vocab_size")
     if isinstance(vocab, int):   # special ids inside the shrunk vocabulary, distinct from each other
         free = vocab - 1
-        for k, v in d.items():
-            if k.endswith(("_token_id", "_token_index")) and isinstance(v, int) and v >= vocab:
+        for k, v in d.items():   # BLIP-2's (Voxtral's) default config leaves its image (audio) token unset
+            unset = v is None and k.startswith(("image_", "video_", "audio_"))
+            if k.endswith(("_token_id", "_token_index")) and (isinstance(v, int) and v >= vocab or unset):
                 out[k], free = free, free - 1
     return out
 
@@ -118,7 +146,10 @@ def build(model_type: str):
         if name and hasattr(tf, name):
             cls = getattr(tf, name)
             config_cls = cls.config_class or tf.CONFIG_MAPPING[model_type]   # MusicGen's decoder: its own
-            config = config_cls(**tiny_dict(config_cls()))
+            try:
+                config = config_cls(**tiny_dict(config_cls()))
+            except Exception:   # a layer count the kinds do not fit (Dory's input, loop and output layers)
+                config = config_cls(**tiny_dict(config_cls(), every_kind=False))
             torch.manual_seed(0)
             return cls(config).eval(), name
     raise LookupError("no model class")
