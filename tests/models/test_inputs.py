@@ -420,6 +420,13 @@ def test_navit_packed_images_get_a_strip_of_patches_and_their_sizes():
     first, _ = sample_inputs(model)
     assert first["target_sizes"].tolist() == [[4, 4]] and int((first["input_ids"] == 98).sum()) == 1
     assert any(n.startswith("vision_tower.encoder") for n in used(model, [first]))
+    rope = dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[0, 0, 1])
+    v47 = build(tf.MiniCPMV4_7Model, vision_config=vision, insert_layer_id=0, image_token_id=98,
+                text_config=dict(TINY, model_type="qwen3_5_text", vocab_size=99, num_key_value_heads=2, head_dim=8,
+                                 layer_types=["linear_attention", "full_attention"], rope_parameters=rope))
+    first, _ = sample_inputs(v47)   # 4.7 also wants the image tokens marked in `mm_token_type_ids`
+    assert torch.equal(first["mm_token_type_ids"], (first["input_ids"] == 98).long()) and "target_sizes" in first
+    assert any(n.startswith("vision_tower.encoder") for n in used(v47, [first]))
 
 
 def test_omni_thinker_gets_patches_and_mel_features_in_the_order_its_towers_read():
@@ -490,3 +497,16 @@ def test_tiles_with_their_mask_and_a_second_high_resolution_tower():
     first, _ = sample_inputs(hybrid)
     assert first["high_res_pixel_values"].shape == (1, 3, 64, 64) and int((first["input_ids"] == 110).sum()) >= 1
     assert any("high_res_vision_model" in n for n in used(hybrid, [first]))
+
+
+def test_an_audio_models_split_error_is_not_read_as_image_tiles():
+    """Qwen3-ASR with windows its frames do not fill reports a split-size error like LLaVA-NeXT's tile count:
+    the audio trial does not take it for tiles of an image it has not got (that raised a KeyError); the audio
+    is left out, the text kept."""
+    audio = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 output_dim=32, downsample_hidden_size=8, max_position_embeddings=64, n_window=4)
+    model = build(tf.Qwen3ASRForConditionalGeneration, audio_token_id=98, pad_token_id=0, eos_token_id=1,
+                  audio_config=audio, text_config=dict(TINY, vocab_size=99, num_key_value_heads=2, head_dim=16,
+                                                       max_position_embeddings=128))
+    batches = sample_inputs(model)
+    assert all("input_features" not in x and "input_ids" in x for x in batches)

@@ -86,7 +86,8 @@ def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, i
             if m := MISMATCH.search(error):   # features reported per token, or (some models) per value
                 b, f = len(y[key]), int(m.group(2))
                 counts += [c // b for c in (f, f // hidden) if c % b == 0 and c >= b and c // b not in tried]
-            if (m := TILES.search(error)) and f"tiles:{m.group(1)}" not in forms:   # tiles per image it wants
+            if key == "pixel_values" and (m := TILES.search(error)) and f"tiles:{m.group(1)}" not in forms:
+                # the tiles per image it wants (LLaVA-NeXT); an audio model's split error is no such thing
                 forms.append(f"tiles:{m.group(1)}")
     return None, error
 
@@ -123,6 +124,10 @@ def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
         if key in y:
             v = y[key]
             y[key] = torch.cat([v[:, :1], torch.full((b, n), fill, dtype=v.dtype), v[:, 1:]], dim=1)
-    if form.startswith("grid:") and ctx.has("mm_token_type_ids"):   # image tokens (1), for its 3-D positions
-        y["mm_token_type_ids"] = (y["input_ids"] == token).long()
+    if ctx.has("mm_token_type_ids"):   # image (1) and video (2) tokens marked: Qwen-VL's 3-D positions, MiniCPM-V
+        types = torch.zeros_like(y["input_ids"])
+        for kind, media_token in ((1, vision.image_token(ctx)), (2, vision.video_token(ctx))):
+            if media_token is not None:
+                types[y["input_ids"] == media_token] = kind
+        y["mm_token_type_ids"] = types
     return y
