@@ -36,7 +36,7 @@ TOL = 1e-4
 SIZES = {   # attribute -> tiny value, set where the config has it (an int there)
     32: ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "projection_dim",
          "cross_attention_hidden_size", "d_embed", "image_size", "out_hidden_size",
-         "projection_hidden_size", "projector_hidden_size", "output_dim"),
+         "projection_hidden_size", "projector_hidden_size", "output_dim", "mit_hidden_size", "pooler_output_size"),
     2: ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "n_layers",
         "num_decoder_layers", "num_encoder_layers", "speech_encoder_layers", "t2u_encoder_layers",
         "t2u_decoder_layers", "num_key_value_heads", "num_experts_per_tok"),
@@ -44,7 +44,7 @@ SIZES = {   # attribute -> tiny value, set where the config has it (an int there
         "decoder_attention_heads", "attention_heads", "decoder_num_attention_heads", "n_routed_experts",
         "num_experts", "num_local_experts"),
     64: ("intermediate_size", "moe_intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner",
-         "d_ff", "dff", "max_target_positions", "max_source_positions"),
+         "d_ff", "dff", "max_target_positions", "max_source_positions", "mit_intermediate_size"),
     128: ("max_position_embeddings", "n_positions", "n_ctx"),   # text and the image tokens spliced into it
     8: ("head_dim", "d_kv", "rotary_dim", "patch_size", "kv_channels", "qk_rope_head_dim", "qk_nope_head_dim",
         "v_head_dim"),
@@ -69,6 +69,8 @@ def tiny_dict(config, every_kind: bool = True) -> dict:
             out[kv] = out[heads]
     if "qk_head_dim" in d and "qk_rope_head_dim" in out:
         out["qk_head_dim"] = out["qk_rope_head_dim"] + out.get("qk_nope_head_dim", d.get("qk_nope_head_dim", 0))
+    if isinstance(d.get("coordinate_size"), int) and isinstance(d.get("shape_size"), int):   # LayoutLMv3's boxes:
+        out["coordinate_size"], out["shape_size"] = 4, 8   # 4 coordinates and 2 sides as wide as 32 channels
     if isinstance(d.get("depths"), list):   # hierarchical vision (Swin...): 2 stages of 1 block
         out["depths"] = [1, 1]
         if isinstance(d.get("num_heads"), list):
@@ -148,10 +150,12 @@ def build(model_type: str):
             config_cls = cls.config_class or tf.CONFIG_MAPPING[model_type]   # MusicGen's decoder: its own
             try:
                 config = config_cls(**tiny_dict(config_cls()))
+                torch.manual_seed(0)
+                return cls(config).eval(), name
             except Exception:   # a layer count the kinds do not fit (Dory's input, loop and output layers)
                 config = config_cls(**tiny_dict(config_cls(), every_kind=False))
-            torch.manual_seed(0)
-            return cls(config).eval(), name
+                torch.manual_seed(0)
+                return cls(config).eval(), name
     raise LookupError("no model class")
 
 
