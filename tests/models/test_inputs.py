@@ -108,6 +108,12 @@ def test_multi_codebook_ids_and_trajectories_and_time_series():
     patch = build(tf.PatchTSTModel, num_input_channels=2, context_length=32, patch_length=8, patch_stride=8,
                   d_model=32, num_attention_heads=2, num_hidden_layers=2, ffn_dim=64)
     assert sample_inputs(patch)[-1]["past_values"].shape == (2, 32, 2)
+    fm = build(tf.TimesFmModel, patch_length=8, context_length=32, horizon_length=8, num_hidden_layers=2,
+               hidden_size=32, intermediate_size=32, head_dim=16, num_attention_heads=2, freq_size=3)
+    x = sample_inputs(fm)[-1]   # TimesFM: one variable, every step real, a frequency class per series
+    assert x["past_values"].shape == x["past_values_padding"].shape == (2, 32) and not x["past_values_padding"].any()
+    assert x["freq"].shape == (2, 1) and int(x["freq"].max()) < 3
+    assert any(n.startswith("layers.1.") for n in used(fm, [x]))
 
 
 def test_masked_positions_reach_a_backbone_through_kwargs():

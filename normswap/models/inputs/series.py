@@ -1,6 +1,6 @@
-"""Non-token sequences: time series (PatchTST, PatchTSMixer, Time Series Transformer, Informer, Autoformer:
-past and future values, time features, observed masks, static features) and RL trajectories (Decision
-Transformer: states, actions, rewards, returns to go, timesteps)."""
+"""Non-token sequences: time series (PatchTST, PatchTSMixer, Time Series Transformer, Informer, Autoformer,
+TimesFM: past and future values, time features, observed masks, static features, padding, frequency) and
+RL trajectories (Decision Transformer: states, actions, rewards, returns to go, timesteps)."""
 from __future__ import annotations
 
 import torch
@@ -20,9 +20,15 @@ def series(ctx: Ctx, x: dict, b: int) -> None:
     lags = ctx.value("lags_sequence")
     past = context + (max(lags) if lags else 0)
     channels = ctx.integer("num_input_channels", "input_size", default=1)
-    # Time Series Transformer & co take (b, length) for one variable; the patch models always a channel axis
-    shape = (b, past) if channels == 1 and ctx.has("past_time_features") else (b, past, channels)
+    # Time Series Transformer & co and TimesFM take (b, length) for one variable; the patch models always a
+    # channel axis
+    flat = ctx.has("past_time_features") or ctx.has("past_values_padding")
+    shape = (b, past) if channels == 1 and flat else (b, past, channels)
     x["past_values"] = ctx.randn(*shape)
+    if ctx.has("past_values_padding"):   # TimesFM: every step real, and each series' frequency class
+        x["past_values_padding"] = torch.zeros(shape, dtype=torch.long)
+    if ctx.has("freq"):
+        x["freq"] = ctx.randint(ctx.integer("freq_size", default=1), (b, 1))
     time = ctx.integer("num_time_features", default=0)
     horizon = ctx.integer("prediction_length", default=1)
     for name, value in (("past_time_features", lambda: ctx.randn(b, past, time)),
