@@ -516,3 +516,17 @@ def test_an_audio_models_split_error_is_not_read_as_image_tiles():
                                                        max_position_embeddings=128))
     batches = sample_inputs(model)
     assert all("input_features" not in x and "input_ids" in x for x in batches)
+
+
+def test_whispers_features_are_built_without_a_trial_forward():
+    """Whisper's features are 30 s long: a forward to try another layout would cost seconds on a real model
+    (3 of them made `sample_inputs` 17 s on a Whisper-small-sized one). Its Conv1d reading the mel bins as
+    channels settles the layout, so no forward runs."""
+    model = build(tf.WhisperForConditionalGeneration, d_model=32, encoder_layers=1, decoder_layers=1,
+                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                  num_mel_bins=16, max_source_positions=32, vocab_size=99, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2, decoder_start_token_id=1)
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    batches = sample_inputs(model)
+    assert batches[0]["input_features"].shape[1:] == (16, 64) and calls == []

@@ -175,7 +175,9 @@ def other_layout(ctx: Ctx, x: dict) -> dict:
     other = {}
     if (wave := x.get("input_values")) is not None and wave.dim() == 2:
         other["input_values"] = wave[:, None]
-    if (feats := x.get("input_features")) is not None and feats.dim() == 3:
+    # only where a 2-D convolution reads them: Whisper's 30 s of features cost a forward of seconds to try
+    if (feats := x.get("input_features")) is not None and feats.dim() == 3 and \
+            isinstance(audio.first_conv(ctx), nn.Conv2d):
         other["input_features"] = feats.transpose(1, 2).contiguous()
     if not other or not run_either(ctx, x):
         return x

@@ -40,10 +40,17 @@ def layout(ctx: Ctx) -> str:
     mels = ctx.integer("num_mel_bins", prefer=AUDIO)
     if mels is None or ctx.integer("input_feat_per_channel") is not None:
         return "frames, features"
-    for m in ctx.module.modules() if ctx.module is not None else ():
-        if isinstance(m, (nn.Conv1d, nn.Conv2d)):
-            return "mels, frames" if isinstance(m, nn.Conv1d) and m.in_channels == mels else "frames, mels"
-    return "mels, frames"
+    first = first_conv(ctx)
+    if first is None:
+        return "mels, frames"
+    return "mels, frames" if isinstance(first, nn.Conv1d) and first.in_channels == mels else "frames, mels"
+
+
+def first_conv(ctx: Ctx) -> nn.Module | None:
+    """The model's first 1-D or 2-D convolution: what reads a spectrogram. A 2-D one reads it as an image,
+    in either axis order (FastConformer: frames first; Qwen3-ASR: mels first), which only a trial tells."""
+    return next((m for m in (ctx.module.modules() if ctx.module is not None else ())
+                 if isinstance(m, (nn.Conv1d, nn.Conv2d))), None)
 
 
 def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
