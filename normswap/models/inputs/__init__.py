@@ -175,9 +175,8 @@ def other_layout(ctx: Ctx, x: dict) -> dict:
     other = {}
     if (wave := x.get("input_values")) is not None and wave.dim() == 2:
         other["input_values"] = wave[:, None]
-    # only where a 2-D convolution reads them: Whisper's 30 s of features cost a forward of seconds to try
-    if (feats := x.get("input_features")) is not None and feats.dim() == 3 and \
-            isinstance(audio.first_conv(ctx), nn.Conv2d):
+    # not where the first convolution settles it: Whisper's 30 s of features cost a forward of seconds to try
+    if (feats := x.get("input_features")) is not None and feats.dim() == 3 and not audio.mels_as_channels(ctx):
         other["input_features"] = feats.transpose(1, 2).contiguous()
     if not other or not run_either(ctx, x):
         return x

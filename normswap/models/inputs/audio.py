@@ -40,17 +40,21 @@ def layout(ctx: Ctx) -> str:
     mels = ctx.integer("num_mel_bins", prefer=AUDIO)
     if mels is None or ctx.integer("input_feat_per_channel") is not None:
         return "frames, features"
-    first = first_conv(ctx)
-    if first is None:
-        return "mels, frames"
-    return "mels, frames" if isinstance(first, nn.Conv1d) and first.in_channels == mels else "frames, mels"
+    return "mels, frames" if mels_as_channels(ctx) or first_conv(ctx) is None else "frames, mels"
 
 
 def first_conv(ctx: Ctx) -> nn.Module | None:
-    """The model's first 1-D or 2-D convolution: what reads a spectrogram. A 2-D one reads it as an image,
-    in either axis order (FastConformer: frames first; Qwen3-ASR: mels first), which only a trial tells."""
+    """The model's first 1-D or 2-D convolution: what reads a spectrogram."""
     return next((m for m in (ctx.module.modules() if ctx.module is not None else ())
                  if isinstance(m, (nn.Conv1d, nn.Conv2d))), None)
+
+
+def mels_as_channels(ctx: Ctx) -> bool:
+    """Whether the first convolution reads the mel bins as its channels (Whisper): the layout is settled. A
+    2-D one reads the spectrogram as an image, in either axis order (FastConformer: frames first; Qwen3-ASR:
+    mels first), and a linear layer first (Nemotron's audio encoders) either; only a trial tells those."""
+    first, mels = first_conv(ctx), ctx.integer("num_mel_bins", prefer=AUDIO)
+    return isinstance(first, nn.Conv1d) and first.in_channels == mels
 
 
 def values(ctx: Ctx, b: int, s: int) -> torch.Tensor:
