@@ -315,7 +315,9 @@ class Recorder(TorchFunctionMode):
         # an RMSNorm reading rows that are not centred reads them like any layer (centring changes its output);
         # one reading centred rows (converted by an earlier exact pass) is a norm the stream feeds
         self.inside, rms = name, norm_kind(module) == "rmsnorm"   # rows_centred's own ops are not the model's
-        reader, self.inside = name in self.norms and rms and x is not None and not rows_centred(x), None
+        weights = next(module.parameters(), x)
+        reader = name in self.norms and rms and x is not None and not rows_centred(x, weights.dtype)
+        self.inside = None
         if name in self.norms and not reader:
             self._norm_input(name, x, flow)
         elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \
