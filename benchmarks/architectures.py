@@ -104,13 +104,13 @@ def tiny_dict(config, every_kind: bool = True) -> dict:
         out["projector_patch_to_query_dict"] = {16: 4}
     if isinstance(d.get("image_grid_pinpoints"), list):   # LLaVA-NeXT: tiles of the 32-pixel images
         out["image_grid_pinpoints"] = [[32, 64], [64, 32], [64, 64]]
-    rope = d.get("rope_parameters")
-    if isinstance(rope, dict) and uses_mrope(config):
+    rope, mrope = d.get("rope_parameters"), uses_mrope(config)   # reads the modelling file: once
+    if isinstance(rope, dict) and mrope:
         head = out.get("head_dim") or out.get("hidden_size", 32) // out.get("num_attention_heads", 4)
         pairs = int(head * rope.get("partial_rotary_factor", d.get("partial_rotary_factor") or 1)) // 2
         # (time, rows, columns) of the rotary pairs: [2, 1, 1] of 4, [1, 0, 1] of GLM-4V-MoE's 2
         out["rope_parameters"] = {**rope, "mrope_section": [pairs // 2, pairs // 4, pairs - pairs // 2 - pairs // 4]}
-    if uses_mrope(config):   # the Omni thinkers' default configs lack the vision start id their code reads
+    if mrope:   # the Omni thinkers' default configs lack the vision start id their code reads
         d.setdefault("vision_start_token_id", 10 ** 9)
     vocab = out.get("vocab_size", d.get("vocab_size"))
     if vocab is None and isinstance(out.get("text_config"), dict):   # a multimodal model's text vocabulary

@@ -314,10 +314,11 @@ class Recorder(TorchFunctionMode):
         flow = None if x is None else self.get(x)
         # an RMSNorm reading rows that are not centred reads them like any layer (centring changes its output);
         # one reading centred rows (converted by an earlier exact pass) is a norm the stream feeds
-        self.inside, rms = name, norm_kind(module) == "rmsnorm"   # rows_centred's own ops are not the model's
-        weights = next(module.parameters(), x)
-        reader = name in self.norms and rms and x is not None and not rows_centred(x, weights.dtype)
-        self.inside = None
+        reader = False
+        if name in self.norms and x is not None and norm_kind(module) == "rmsnorm":
+            self.inside = name   # rows_centred's own ops are not the model's
+            reader = not rows_centred(x, next(module.parameters(), x).dtype)
+            self.inside = None
         if name in self.norms and not reader:
             self._norm_input(name, x, flow)
         elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \

@@ -159,28 +159,33 @@ def grid_shape(ctx: Ctx, batches: list[dict], name: str) -> list[dict]:
 def images_apart(ctx: Ctx, x: dict) -> dict:
     """x with its images as (batch, images, channels, h, w) and every token attending to them, for a model
     that reads an `image_attention_mask` (Idefics' cross-attention to its images) and runs on that and not
-    on x (with its weights, or on a meta skeleton when streaming)."""
+    on x (see `first_that_runs`)."""
     if not ctx.has("image_attention_mask") or "input_ids" not in x or x.get("pixel_values") is None or \
-            x["pixel_values"].dim() != 4 or not run_either(ctx, x):
+            x["pixel_values"].dim() != 4:
         return x
-    y = {**x, "pixel_values": x["pixel_values"][:, None],
-         "image_attention_mask": torch.ones(*x["input_ids"].shape, 1, dtype=torch.long)}
-    return x if run_either(ctx, y) else y
+    return first_that_runs(ctx, x, [{**x, "pixel_values": x["pixel_values"][:, None],
+                                      "image_attention_mask": torch.ones(*x["input_ids"].shape, 1, dtype=torch.long)}])
 
 
 def other_layout(ctx: Ctx, x: dict) -> dict:
     """x with its waveform as (batch, 1, samples) (OmniASR's front end reads a channel axis it does not add), or
     its audio features' last two axes swapped (a 2-D convolution over a spectrogram reads either order), where
-    the model runs on that and not on x (with its weights, or on a meta skeleton when streaming)."""
-    other = {}
+    the model runs on that and not on x (see `first_that_runs`)."""
+    others = []
     if (wave := x.get("input_values")) is not None and wave.dim() == 2:
-        other["input_values"] = wave[:, None]
+        others.append({**x, "input_values": wave[:, None]})
     # not where the first convolution settles it: Whisper's 30 s of features cost a forward of seconds to try
     if (feats := x.get("input_features")) is not None and feats.dim() == 3 and not audio.mels_as_channels(ctx):
-        other["input_features"] = feats.transpose(1, 2).contiguous()
-    if not other or not run_either(ctx, x):
+        others.append({**x, "input_features": feats.transpose(1, 2).contiguous()})
+    return first_that_runs(ctx, x, others)
+
+
+def first_that_runs(ctx: Ctx, x: dict, others: list[dict]) -> dict:
+    """x if the model runs on it (or on none of `others`), else the first of `others` it runs on: with its
+    weights, or on a meta skeleton when streaming. No forward where there is nothing else to try."""
+    if not others or not run_either(ctx, x):
         return x
-    return next((y for k, v in other.items() if not run_either(ctx, y := {**x, k: v})), x)
+    return next((y for y in others if not run_either(ctx, y)), x)
 
 
 def without_rejected(ctx: Ctx, x: dict) -> dict:
