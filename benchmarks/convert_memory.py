@@ -29,7 +29,7 @@ SIZES = {"medium": dict(n_layer=24, n_embd=1024, n_head=16), "xl": dict(n_layer=
          "small": dict(n_layer=12, n_embd=768, n_head=12)}
 # Each child prints its RSS once the libraries are imported, before any weight is read: `used` is the
 # peak above that (what converting costs, without the ~0.4 GB Python + torch + transformers take).
-BASELINE = ("import sys, psutil, normswap, normswap.checkpoint.stream, transformers.models.gpt2.modeling_gpt2; "
+BASELINE = ("import sys, psutil, normswap, normswap.pipeline.stream, transformers.models.gpt2.modeling_gpt2; "
             "print('BASELINE', psutil.Process().memory_info().rss, flush=True); ")
 API = BASELINE + ("m, t = normswap.load_model(sys.argv[1]); normswap.convert(m, method='exact'); "
                   "normswap.save_pretrained(m, sys.argv[2], tokenizer=t)")
@@ -41,7 +41,7 @@ def build(size: str, path: Path) -> int:
     import transformers
     from accelerate import init_empty_weights
 
-    from normswap.checkpoint import safetensors as shards
+    from normswap.io import safetensors as shards
     config = transformers.GPT2Config(vocab_size=50257, n_positions=1024, architectures=["GPT2LMHeadModel"],
                                      **SIZES[size])
     with init_empty_weights():
@@ -96,7 +96,7 @@ def main() -> None:
         t = time.time()
         build(args.size, src)
         print(f"built {src} in {time.time() - t:.0f} s", file=sys.stderr)
-    from normswap.checkpoint import safetensors as shards
+    from normswap.io import safetensors as shards
     size = shards.Reader(src).total_size()
     for mode in args.modes.split(","):
         out = args.work / f"out-{args.size}-{mode}"

@@ -9,9 +9,14 @@ __version__ = "0.1.0"
 PUBLIC = {
     "RMSNorm": "normswap.norms", "PartialRMSNorm": "normswap.norms",
     "convert": "normswap.surgery.convert", "ConversionReport": "normswap.surgery.report",
-    "convert_checkpoint": "normswap.pipeline", "ConvertOptions": "normswap.pipeline",
-    "ConvertResult": "normswap.pipeline", "LoadOptions": "normswap.models.load",
-    "load_model": "normswap.models.load", "save_pretrained": "normswap.models.save",
+    "convert_checkpoint": "normswap.pipeline.convert", "ConvertOptions": "normswap.pipeline.options",
+    "ConvertResult": "normswap.pipeline.convert",
+    "heal_checkpoint": "normswap.pipeline.heal", "HealCheckpointOptions": "normswap.pipeline.options",
+    "evaluate_checkpoint": "normswap.pipeline.evaluate", "EvaluateOptions": "normswap.pipeline.options",
+    "export_checkpoint": "normswap.pipeline.export", "ExportOptions": "normswap.pipeline.options",
+    "inspect_checkpoint": "normswap.pipeline.inspect", "InspectOptions": "normswap.pipeline.options",
+    "LoadOptions": "normswap.models.load", "load_model": "normswap.models.load",
+    "save_pretrained": "normswap.models.save",
     "from_pretrained": "normswap.models.rebuild",
     "heal": "normswap.healing.loop", "HealReport": "normswap.healing.report",
     "HealOptions": "normswap.healing.options", "LoraOptions": "normswap.healing.options",
@@ -20,7 +25,6 @@ PUBLIC = {
     "ExportReport": "normswap.export.report",
     "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
     "NormswapError": "normswap.errors",
-    "io": "normswap.models:",   # load/save functions under their pre-0.2 name (normswap.io.load_model ...)
 }
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy(__name__, PUBLIC)

@@ -1,29 +1,15 @@
 """The exceptions users see. Messages are one line; they name options the way the caller spells them.
 
 A library message names a parameter in backquotes (`overwrite=True`): `str(error)` shows it so, for Python
-callers, and the CLI shows the flag that sets it (`--overwrite`), through `for_cli`. One table below maps
-the two, so the library never speaks of flags and the CLI never of keyword arguments.
+callers, and the CLI shows the flag that sets it (`--overwrite`), through `for_cli` and the table of names the
+CLI generates from the options dataclasses: the library never speaks of flags, the CLI never of keywords.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from contextlib import contextmanager
 
-# Python spelling -> CLI spelling of the options errors name.
-FLAGS = {
-    "overwrite=True": "--overwrite", "overwrite='any'": "--overwrite-any",
-    "allow_missing_weights=True": "--allow-missing-weights", "trust_remote_code=True": "--trust-remote-code",
-    "method='naive'": "--method naive", "method='auto'": "--method auto", "to='prmsnorm'": "--to prmsnorm",
-    "train='all'": "--train all", "objective='lm'": "--objective lm", "texts": "--data FILE", "data": "--data",
-    "finetune_steps": "--finetune-steps", "onnx": "--onnx", "src": "SRC", "out": "OUT", "teacher": "--teacher",
-    "with_past=True": "--with-past", "device": "--device", "reference": "--reference ORIG", "lr": "--lr",
-    "max_shard_size": "--max-shard-size", "dtype": "--dtype",
-    "train='lora'": "--train lora", "lora.rank": "--lora-rank",
-    "lora.alpha": "--lora-alpha", "lora.targets": "--lora-targets", "eval_every": "--eval-every",
-    "eval_fraction": "--eval-fraction", "eval_windows": "--eval-windows", "eval_texts": "--eval-data",
-    "early_stop=True": "--early-stop", "patience": "--patience", "report_to": "--report-to",
-    "logging_dir": "--logging-dir",
-}
 _NAMED = re.compile(r"`([^`]+)`")
 
 
@@ -33,15 +19,16 @@ class NormswapError(Exception):
     def __str__(self) -> str:
         return _NAMED.sub(lambda m: m.group(1), super().__str__())
 
-    def for_cli(self) -> str:
-        """The message with each named option as the command line spells it."""
-        return _NAMED.sub(lambda m: FLAGS.get(m.group(1), m.group(1)), super().__str__())
+    def for_cli(self, flags: Mapping[str, str]) -> str:
+        """The message with each named option as the command line spells it: `flags` maps the Python
+        spelling (`overwrite=True`, `lr`) to the CLI's (`--overwrite`, `--lr`)."""
+        return _NAMED.sub(lambda m: flags.get(m.group(1), m.group(1)), super().__str__())
 
 
 @contextmanager
 def reraised(*kinds: type[Exception]):
     """Inside it, an exception of `kinds` becomes a NormswapError with the same one-line message (for code
-    that cannot know NormswapError: `models.portable`, which converted folders ship)."""
+    that cannot know NormswapError: `io.portable`, which converted folders ship)."""
     try:
         yield
     except kinds as e:
@@ -76,3 +63,10 @@ def one_line_interrupts() -> None:
         else:
             previous(kind, value, tb)
     sys.excepthook = hook
+
+
+def first_line(e: BaseException | str, default: str = "", *, strip: bool = False) -> str:
+    """The first line of `e`'s message (of the message stripped, with `strip`), or `default` where it has none:
+    how a failure from elsewhere is quoted in a one-line error."""
+    lines = (str(e).strip() if strip else str(e)).splitlines()
+    return lines[0] if lines else default

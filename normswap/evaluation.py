@@ -17,7 +17,7 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.demo import HELDOUT_FILE, heldout_text
 from normswap.models.introspect import is_causal_lm
-from normswap.parity import compare, scope
+from normswap.parity import compare, json_safe, scope
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
 
@@ -49,7 +49,7 @@ class EvalReport:
 
     def to_dict(self) -> dict:
         """JSON-safe: NaN/inf become null and an "error" field says why (json.dumps would write NaN)."""
-        d = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        d = json_safe(asdict(self))
         return {**d, "error": self.error()} if self.error() else d
 
     def __str__(self) -> str:
@@ -74,11 +74,33 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _check_vocab(model: nn.Module, reference: nn.Module) -> None:
-    a, b = model.get_output_embeddings(), reference.get_output_embeddings()
-    if a is not None and b is not None and a.weight.shape[0] != b.weight.shape[0]:
-        raise NormswapError(f"the reference's vocabulary differs from the model's "
-                            f"({b.weight.shape[0]} vs {a.weight.shape[0]} tokens)")
+def _vocab_size(model) -> int | None:
+    """How many tokens `model` scores: its output head's rows, else config.vocab_size (None: unknown)."""
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = None
+    if getattr(head, "weight", None) is not None:
+        return head.weight.shape[0]
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def check_vocabulary(model: nn.Module, other: nn.Module, what: str, tokenizers=(None, None)) -> None:
+    """Distillation, KL and top-1 agreement compare token by token: `other` (`what`: "the teacher", "the
+    reference") must map text to the same ids as `model` (`tokenizers`: theirs, where known) and score as many
+    tokens."""
+    tok, other_tok = tokenizers
+    if tok is not None and other_tok is not None:
+        a, b = tok.get_vocab(), other_tok.get_vocab()
+        if a != b:
+            differ = sum(1 for k, v in a.items() if b.get(k) != v)
+            raise NormswapError(f"{what}'s tokenizer does not match the model's ({len(b)} vs {len(a)} tokens, "
+                                f"{differ} mapped differently): they must share one vocabulary")
+    if other is None:
+        return
+    n, m = _vocab_size(model), _vocab_size(other)
+    if n is not None and m is not None and n != m:
+        raise NormswapError(f"{what}'s vocabulary differs from the model's ({m} vs {n} tokens)")
 
 
 def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
@@ -105,7 +127,7 @@ def _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size, sho
         raise NormswapError(f"need seq_len >= 2 and 1 <= stride < seq_len, got seq_len {seq_len}, "
                             f"stride {stride}")
     if reference is not None:
-        _check_vocab(model, reference)
+        check_vocabulary(model, reference, "the reference")
     nll = kl = 0.0
     agree = count = 0
     spans = windows(len(ids), seq_len, stride)

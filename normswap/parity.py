@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.models.inputs import sample_inputs
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
@@ -70,6 +71,7 @@ def scope(output: str, worst: str, compared: list[str], excluded: dict) -> str:
 
 
 def json_safe(v):
+    """`v` with every non-finite float (NaN, inf) in it as None, tuples as lists: json.dumps writes valid JSON."""
     if isinstance(v, dict):
         return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -109,35 +111,46 @@ def main_output(out) -> tuple[str, torch.Tensor]:
     return "output", out[0]
 
 
+def tensors(obj, name: str | None = "", caches: bool = False, left: dict | None = None):
+    """(dotted name, tensor) for every tensor in `obj`, nested: dicts and ModelOutputs by key, tuples and lists
+    by index; with `caches`, transformers caches by layer (`past_key_values.0.keys`); given `left` (a dict),
+    tuples of intermediate hidden states are left out and named there (-> why). `name` None: no names."""
+    if isinstance(obj, torch.Tensor):
+        yield name, obj
+    elif left is not None and name and STREAM.search(name) and isinstance(obj, (tuple, list)):
+        left[name] = STREAM_REASON
+    elif isinstance(obj, dict) or hasattr(obj, "to_tuple") and hasattr(obj, "keys"):
+        for k in obj.keys():
+            yield from tensors(obj[k], _key(name, k), caches, left)
+    elif isinstance(obj, (tuple, list)):
+        for i, x in enumerate(obj):
+            yield from tensors(x, _key(name, i), caches, left)
+    elif caches and isinstance(getattr(obj, "layers", None), list):   # a transformers Cache
+        for i, layer in enumerate(obj.layers):
+            for k in ("keys", "values"):
+                yield from tensors(getattr(layer, k, None), f"{name}.{i}.{k}", caches, left)
+    elif caches:
+        for k in ("self_attention_cache", "cross_attention_cache"):   # EncoderDecoderCache
+            if getattr(obj, k, None) is not None:
+                yield from tensors(getattr(obj, k), f"{name}.{k}", caches, left)
+
+
+def _key(name: str | None, k) -> str | None:
+    return None if name is None else f"{name}.{k}" if name else str(k)
+
+
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in obj, a tensor or a (nested) list, tuple or dict of them."""
+    return [t for _, t in tensors(obj, None)]
+
+
 def floating_outputs(out) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(every floating tensor a forward returned, by dotted name; the outputs left out -> why).
 
     ModelOutputs and dicts by key, tuples and lists by index, caches by layer (`past_key_values.0.keys`).
     Left out: tuples of intermediate hidden states (the residual stream an exact conversion centres)."""
-    kept: dict[str, torch.Tensor] = {}
     excluded: dict[str, str] = {}
-
-    def walk(v, name: str) -> None:
-        if isinstance(v, torch.Tensor):
-            if v.is_floating_point():
-                kept[name or "output"] = v
-        elif name and STREAM.search(name) and isinstance(v, (tuple, list)):
-            excluded[name] = STREAM_REASON
-        elif isinstance(v, dict) or hasattr(v, "to_tuple") and hasattr(v, "keys"):
-            for k in v.keys():
-                walk(v[k], f"{name}.{k}" if name else str(k))
-        elif isinstance(v, (tuple, list)):
-            for i, x in enumerate(v):
-                walk(x, f"{name}.{i}" if name else str(i))
-        elif isinstance(getattr(v, "layers", None), list):   # a transformers Cache
-            for i, layer in enumerate(v.layers):
-                for k in ("keys", "values"):
-                    walk(getattr(layer, k, None), f"{name}.{i}.{k}")
-        else:
-            for k in ("self_attention_cache", "cross_attention_cache"):   # EncoderDecoderCache
-                if getattr(v, k, None) is not None:
-                    walk(getattr(v, k), f"{name}.{k}")
-    walk(out, "")
+    kept = {name or "output": v for name, v in tensors(out, caches=True, left=excluded) if v.is_floating_point()}
     return kept, excluded
 
 
@@ -160,16 +173,9 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
     name, outs, used, excluded = "output", [], [], {}
     for i, batch in enumerate(inputs):
         try:
-            runs = [(batch, run(model, batch, i))]
+            runs = by_rows(partial(run, model, seed=i), batch)
         except Exception as e:
-            # Some heads take one row at a time (GPT-2 classifiers without a pad token): the rows alone
-            rows = batch_rows(batch)
-            if rows is None:
-                raise unrunnable(model, e) from None
-            try:
-                runs = [(row, run(model, row, i)) for row in rows]
-            except Exception:
-                raise unrunnable(model, e) from None
+            raise unrunnable(model, e) from None
         for x, result in runs:
             name = main_output(result)[0]
             kept, left = floating_outputs(result)
@@ -187,10 +193,26 @@ def unrunnable(model: nn.Module, e: Exception) -> NormswapError:
     compared, so no conversion of it can be checked."""
     if isinstance(e, NormswapError):
         return e
-    line = (str(e).strip().splitlines() or [""])[0]
+    line = first_line(e, strip=True)
     return NormswapError(f"{type(model).__name__} fails on the sample inputs normswap built for it "
                          f"({type(e).__name__}: {line}), so no conversion of it can be checked (inputs of this "
                          "kind are not supported yet)")
+
+
+def by_rows(fn, batch: dict) -> list[tuple[dict, object]]:
+    """[(batch, fn(batch))]; where fn fails on a batch of several rows, [(row, fn(row))] for each row alone
+    (some heads take one row at a time: GPT-2 classifiers without a pad token). The batch's own error is
+    raised where it is one row already or a row fails too."""
+    try:
+        return [(batch, fn(batch))]
+    except Exception as e:
+        rows = batch_rows(batch)
+        if rows is None:
+            raise
+        try:
+            return [(row, fn(row)) for row in rows]
+        except Exception:
+            raise e from None
 
 
 def batch_rows(batch: dict) -> list[dict] | None:

@@ -31,6 +31,3 @@ class _Null(contextlib.nullcontext):
 
     def close(self) -> None:
         pass
-
-    def set_postfix_str(self, s: str) -> None:
-        pass

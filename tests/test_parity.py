@@ -185,7 +185,7 @@ def test_sample_inputs_without_a_position_limit(tmp_path):
     was a RuntimeError about a negative dimension)."""
     import transformers as tf
     from helpers.exact_models import perturb
-    from normswap.checkpoint import stream
+    from normswap.pipeline import stream
     from normswap.models.inputs import sample_inputs
     torch.manual_seed(0)
     model = perturb(tf.XLNetLMHeadModel(tf.XLNetConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4,

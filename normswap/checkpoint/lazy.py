@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming, rename_source_key
 
-from normswap.checkpoint import safetensors
+from normswap.io import safetensors
 from normswap.errors import NormswapError
 from normswap.surgery.trace import IGNORE, tensors_in
 

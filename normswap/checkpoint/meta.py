@@ -10,9 +10,9 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig
 
-from normswap.checkpoint import safetensors
+from normswap.io import safetensors
 from normswap.checkpoint.lazy import Lazy, NotStreamable
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.models.source import (auto_class, build_model, check_code, check_weights, ignored_keys, load_dtype,
                                     read_config, weights_reader)
 
@@ -40,7 +40,7 @@ def open_folder(src: Path, dtype: torch.dtype | None = None, bar=None) -> tuple[
     except NormswapError:
         raise
     except Exception as e:  # as load_model says it: one line
-        raise NormswapError(f"cannot load model from {src}: {str(e).splitlines()[0]}") from None
+        raise NormswapError(f"cannot load model from {src}: {first_line(e)}") from None
     lazy = Lazy(model, reader, bar)
     check_folder(model, lazy, src)
     return model, lazy

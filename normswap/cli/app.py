@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 
 import click
 
-from normswap.errors import Interrupted, NormswapError
+from normswap import signals
+from normswap.cli.flags import error_names
+from normswap.errors import Interrupted, NormswapError, first_line
 
 _NoArgs = getattr(click.exceptions, "NoArgsIsHelpError", ())
-
-
-def _terminated(signum, frame):
-    raise KeyboardInterrupt(signum)  # SIGTERM ends a run the way Ctrl-C does: cleaned up, one line
 
 
 def _one_line(text: str) -> str:
@@ -46,26 +43,29 @@ class Group(click.Group):
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
 
+    def flag_names(self) -> dict[str, str]:
+        """How errors name options on the command line, from the options dataclasses of every command."""
+        classes = dict.fromkeys(getattr(c.callback, "options_class", None) for c in self.commands.values())
+        return error_names(*(c for c in classes if c is not None))
+
     def invoke(self, ctx):
-        main_thread = threading.current_thread() is threading.main_thread()
-        old_term = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+        old_term = signals.install(signals.interrupt, (signal.SIGTERM,))  # SIGTERM ends a run as Ctrl-C does
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except NormswapError as e:
-            click.echo(f"error: {e.for_cli()}", err=True)
+            click.echo(f"error: {e.for_cli(self.flag_names())}", err=True)
         except KeyboardInterrupt as e:
             e = Interrupted.after(e)
             done = f"{', '.join(e.written)} written" if e.written else "nothing was written"
             click.echo(f"interrupted: {done}", err=True)
             sys.exit(128 + (e.signum if isinstance(e.signum, int) else 2))
         except Exception as e:  # a bug of ours, still reported in one line
-            msg = str(e).splitlines()[0] if str(e) else ""
+            msg = first_line(e)
             click.echo(f"error: {type(e).__name__}: {msg}", err=True)
         finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, old_term if old_term is not None else signal.SIG_DFL)
+            signals.restore(old_term)
         sys.exit(1)
 
 

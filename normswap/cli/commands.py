@@ -2,8 +2,7 @@
 from normswap.cli.app import main
 from normswap.cli.convert import convert, inspect
 from normswap.cli.export import export
-from normswap.cli.heal import eval_cmd, heal
-from normswap.cli.training import plot_cmd
+from normswap.cli.heal import eval_cmd, heal, plot_cmd
 
 for command in (convert, inspect, heal, eval_cmd, export, plot_cmd):
     main.add_command(command)

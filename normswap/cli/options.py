@@ -1,20 +1,17 @@
-"""The options every command shares, defined once: click options collected into one frozen `Shared`
-object that the command receives as `opts` (its -q/-v verbosity comes from the main group)."""
+"""The options of a command, generated from its workflow's options dataclass (`flags`) beside the ones every
+command shares (--json; -q/-v from the main group), collected into a frozen `Shared` the command receives as
+`opts` and the workflow's options object it receives as `options`."""
 from __future__ import annotations
 
 import functools
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import click
 import transformers
 
-from normswap.models.load import LoadOptions
-
-# CLI names -> torch dtype names; the long names stay accepted (earlier releases used them).
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16",
-               "float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+from normswap.cli.flags import build, click_options
 
 
 @dataclass(frozen=True)
@@ -22,9 +19,6 @@ class Shared:
     """One command's shared options."""
     verbosity: int = 0                    # -q: -1, -v: 1
     as_json: bool = False                 # --json: stdout is exactly one JSON object
-    device: str = "auto"
-    load: LoadOptions = LoadOptions()     # --dtype (load dtype), --trust-remote-code, --allow-missing-weights
-    overwrite: bool | str = False         # --overwrite: True, --overwrite-any: "any"
 
     @property
     def show_progress(self) -> bool:
@@ -32,44 +26,22 @@ class Shared:
         return self.verbosity >= 0 and not self.as_json and sys.stderr.isatty()
 
 
-def _click_options(load: bool, dtype: bool, device: bool, overwrite: bool) -> list:
-    opts = [click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")]
-    if dtype:
-        opts.append(click.option("--dtype", type=click.Choice(list(DTYPE_NAMES)), default=None,
-                                 help="Load the model in this dtype (default: as stored; the demo model: fp32)."))
-    if device:
-        opts.append(click.option("--device", default="auto", show_default=True,
-                                 help="auto (CUDA when available), cpu, cuda, cuda:N."))
-    if overwrite:
-        opts += [click.option("--overwrite", is_flag=True,
-                              help="Replace the output if normswap wrote it (or it is empty)."),
-                 click.option("--overwrite-any", is_flag=True,
-                              help="Replace the output even if normswap did not write it (its files are deleted).")]
-    if load:
-        opts += [click.option("--trust-remote-code", is_flag=True,
-                              help="Run the Python code a model folder ships (auto_map). Default: never run it, "
-                                   "never prompt."),
-                 click.option("--allow-missing-weights", is_flag=True,
-                              help="Load SRC even if its weights lack tensors, have extra ones or wrong shapes "
-                                   "(missing ones get random values). Default: an error naming them.")]
-    return opts
-
-
-def shared(load: bool = True, dtype: bool = True, device: bool = True, overwrite: bool = True):
-    """Decorator: add the shared options to a command, which receives them as `opts: Shared`."""
+def shared(options=None, skip=()):
+    """Decorator: add --json and the options of dataclass `options` (but the dotted fields in `skip`) to a
+    command, which receives them as `opts: Shared` and `options` (its show_progress set from `opts`)."""
     def deco(command):
         @functools.wraps(command)
         def run(*args, **kw):
-            dtype_name = kw.pop("dtype", None)
-            load_opts = LoadOptions(DTYPE_NAMES[dtype_name] if dtype_name else None,
-                                    kw.pop("trust_remote_code", False), kw.pop("allow_missing_weights", False))
-            replace = "any" if kw.pop("overwrite_any", False) else kw.pop("overwrite", False)
-            kw.pop("overwrite", None)
-            verbosity = click.get_current_context().find_root().obj or 0
-            opts = Shared(verbosity, kw.pop("as_json"), kw.pop("device", "auto"), load_opts, replace)
+            opts = Shared(click.get_current_context().find_root().obj or 0, kw.pop("as_json"))
+            if options is not None:
+                progress = [f.name for f in fields(options) if f.name == "show_progress"]
+                kw["options"] = build(options, kw, skip, **dict.fromkeys(progress, opts.show_progress))
             setup_output(opts)
             return command(*args, opts=opts, **kw)
-        for option in reversed(_click_options(load, dtype, device, overwrite)):
+        run.options_class = options   # the group's error messages name the flags of every command's options
+        for option in reversed([click.option("--json", "as_json", is_flag=True,
+                                             help="Print one JSON object instead of text.")]
+                               + (click_options(options, skip) if options is not None else [])):
             run = option(run)
         return run
     return deco

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch import nn
 
-from normswap.atomic import atomic_dir
-from normswap.errors import NormswapError
+from normswap.io.atomic import atomic_dir
+from normswap.errors import NormswapError, first_line
 from normswap.export import genai, wrap
 from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args
 from normswap.export.report import ExportReport
@@ -35,7 +35,7 @@ def _write_generation_config(model: nn.Module, out: Path) -> bool:
     try:
         gen.save_pretrained(out)
     except Exception as e:  # e.g. a config transformers' own validation rejects
-        raise NormswapError(f"cannot write generation_config.json: {str(e).splitlines()[0]}") from None
+        raise NormswapError(f"cannot write generation_config.json: {first_line(e)}") from None
     return True
 
 

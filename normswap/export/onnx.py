@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from normswap import owned
+from normswap.io import owned
 from normswap.errors import NormswapError
 from normswap.export import wrap
 from normswap.export.report import ExportReport

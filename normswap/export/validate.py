@@ -15,7 +15,7 @@ import onnx
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, translate, wrap
 
 SIZES = ((1, 7), (3, 33))
@@ -184,12 +184,12 @@ def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32
     try:
         check_file(staged)
     except Exception as e:
-        raise NormswapError(f"onnx.checker rejected the export: {str(e).splitlines()[0]}") from None
+        raise NormswapError(f"onnx.checker rejected the export: {first_line(e)}") from None
     try:
         report.fused = optimized_norm_nodes(staged)
         sess = session(staged)
     except Exception as e:
-        raise NormswapError(f"onnxruntime cannot load the export: {str(e).splitlines()[0][:300]}") from None
+        raise NormswapError(f"onnxruntime cannot load the export: {first_line(e)[:300]}") from None
     n = report.norms
     rms_nodes = sum(report.fused.get(k, 0) for k in fuse.RMS_OPS)
     ln_nodes = sum(report.fused.get(k, 0) for k in fuse.LN_OPS)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from normswap.errors import NormswapError
+from normswap.textdata import read_texts
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")   # --report-to names; Python also takes GeneralTracker objects
 
@@ -40,10 +41,18 @@ class LoraOptions:
     None: every nn.Linear / transformers Conv1D but the output head. norms: also train the norm gains (and
     the biases a conversion added), as `train="norms"` does.
     """
-    rank: int = 4
-    alpha: float | None = None
-    targets: tuple[str, ...] | None = None
-    norms: bool = True
+    rank: int = field(default=4, metadata=dict(
+        flag="--lora-rank", type=int, min=1, show_default=True, help="--train lora: the adapters' rank."))
+    alpha: float | None = field(default=None, metadata=dict(
+        flag="--lora-alpha", type=float, min=0, min_open=True,
+        help="--train lora: adapter scale numerator (scale alpha/rank). Default: 2 x rank."))
+    targets: tuple[str, ...] | None = field(default=None, metadata=dict(
+        flag="--lora-targets", metavar="NAMES",
+        help="--train lora: comma-separated linear layer names (c_attn,c_fc or full dotted names). "
+             "Default: every linear layer but the output head."))
+    norms: bool = field(default=True, metadata=dict(
+        flag="--lora-norms", secondary="--no-lora-norms", show_default=True,
+        help="--train lora: also train the norm gains."))
 
     def __post_init__(self):
         _positive_int(self.rank, "lora.rank")
@@ -72,23 +81,48 @@ class HealOptions:
     and restore the trained parameters of the best evaluation. report_to: experiment trackers
     (Accelerate's: "tensorboard", "wandb", "mlflow", or `accelerate.tracking.GeneralTracker` objects),
     writing under `logging_dir` (default: runs/<date>_<host>).
+
+    Field metadata: the `normswap heal` flag that sets each field (the keys: `normswap.cli.flags`).
     """
-    steps: int = 200
-    lr: float | None = None
-    train: str = "norms"
-    objective: str = "kd"
-    seq_len: int = 128
-    batch_size: int = 8
-    seed: int = 0
-    lora: LoraOptions = LoraOptions()
-    eval_every: int | None = None
-    eval_fraction: float = 0.05
-    eval_windows: int = 64
-    eval_texts: tuple[str, ...] | None = None
-    early_stop: bool = False
-    patience: int | None = 3
-    report_to: tuple = field(default=())
-    logging_dir: str | None = None
+    steps: int = field(default=200, metadata=dict(flag="--steps", type=int, min=1, show_default=True))
+    lr: float | None = field(default=None, metadata=dict(
+        flag="--lr", type=float, min=0, min_open=True,
+        help="Default: 1e-2 (norms), 3e-4 (all), 5e-3 (lora adapters; norm gains 1e-2)."))
+    train: str = field(default="norms", metadata=dict(
+        flag="--train", choices=("norms", "all", "lora"), show_default=True,
+        help="norms: only norm gains/biases; all: every parameter; lora: LoRA adapters (peft) merged into the "
+             "weights at the end, and the norm gains."))
+    objective: str = field(default="kd", metadata=dict(
+        flag="--objective", choices=("kd", "lm"), show_default=True,
+        help="kd: distil from --teacher; lm: next-token loss on the data."))
+    seq_len: int = field(default=128, metadata=dict(flag="--seq-len", type=int, min=2, show_default=True))
+    batch_size: int = field(default=8, metadata=dict(flag="--batch-size", type=int, min=1, show_default=True))
+    seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True))
+    lora: LoraOptions = field(default=LoraOptions(), metadata=dict(prefix="lora."))   # errors say `lora.rank`
+    eval_every: int | None = field(default=None, metadata=dict(
+        flag="--eval-every", type=int, min=1, metavar="N",
+        help="Measure the objective (KL to the teacher) on held-out text every N steps."))
+    eval_fraction: float = field(default=0.05, metadata=dict(
+        flag="--eval-fraction", type=float, min=0, max=1, max_open=True, show_default=True,
+        help="At most this share of --data is held out (never trained on) for --eval-every."))
+    eval_windows: int = field(default=64, metadata=dict(
+        flag="--eval-windows", type=int, min=1, show_default=True,
+        help="At most this many held-out windows of --seq-len tokens."))
+    eval_texts: tuple[str, ...] | None = field(default=None, metadata=dict(   # the CLI reads them from files
+        flag="--eval-data", multiple=True, type="path",
+        parse=lambda files: tuple(read_texts(files)) if files else None,
+        help="Held-out text file(s) for --eval-every instead of a slice of --data."))
+    early_stop: bool = field(default=False, metadata=dict(
+        flag="--early-stop",
+        help="Keep the weights of the best held-out evaluation; stop after --patience worse ones."))
+    patience: int | None = field(default=3, metadata=dict(
+        flag="--patience", type=int, min=1, show_default=True,
+        help="--early-stop: evaluations without improvement before stopping."))
+    report_to: tuple = field(default=(), metadata=dict(
+        flag="--report-to", default="none", show_default=True, metavar="TRACKERS",
+        help="Experiment trackers (Accelerate's): tensorboard, wandb, mlflow (comma-separated), none."))
+    logging_dir: str | None = field(default=None, metadata=dict(
+        flag="--logging-dir", type="path", help="Where trackers write (default: runs/<date>_<host>)."))
 
     def __post_init__(self):
         if not isinstance(self.lora, LoraOptions):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DEMO_NAME = "normswap-demo"
-DEMO_DIR = Path(__file__).parent.parent / "demo"   # normswap/demo: package data
+from normswap.io.bundled import DEMO_DIR, DEMO_NAME
+
+__all__ = ["DEMO_DIR", "DEMO_NAME", "HELDOUT_FILE", "heldout_text", "split_corpus"]
+
 HELDOUT_FILE = DEMO_DIR / "heldout.txt"
 HELDOUT_NOVEL, HELDOUT_FROM_CHAPTER = "persuasion.txt", 21
 

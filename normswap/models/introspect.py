@@ -14,7 +14,6 @@ ALIASES = {
     "positions": ("n_positions", "max_position_embeddings", "n_ctx", "seq_length"),
     "heads": ("num_attention_heads", "n_head"),
 }
-SUB_CONFIGS = ("text_config", "vision_config", "encoder", "decoder")
 
 
 def config_int(config, kind: str) -> int | None:
@@ -24,14 +23,6 @@ def config_int(config, kind: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
-
-
-def config_value(config, key: str, default=None):
-    """config.key, else the same key in its text/vision/encoder/decoder sub-configs, else `default`."""
-    for c in (config, *(getattr(config, k, None) for k in SUB_CONFIGS)):
-        if c is not None and getattr(c, key, None) is not None:
-            return getattr(c, key)
-    return default
 
 
 def norm_kind(module: nn.Module) -> str | None:

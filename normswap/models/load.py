@@ -3,20 +3,20 @@
 Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
 do not match the config unless allow_missing_weights is given. Folders normswap saved are rebuilt by
 `rebuild.from_pretrained`, never through their own modeling file. A local folder is read as streaming reads
-it (`checkpoint.stream`): the same weights files, headers validated first, the same dtype (`load_dtype`).
+it (`pipeline.stream`): the same weights files, headers validated first, the same dtype (`load_dtype`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from normswap.checkpoint import safetensors
-from normswap.errors import NormswapError
+from normswap.io import safetensors
+from normswap.errors import NormswapError, first_line
 from normswap.models.demo import DEMO_NAME
 from normswap.models.rebuild import from_pretrained
-from normswap.models.source import (DTYPES, auto_class, check_code, check_weights, dtype_name, load_dtype,
+from normswap.models.source import (DTYPE_NAMES, DTYPES, auto_class, check_code, check_weights, dtype_name, load_dtype,
                                     read_config, resolve_source, weights_reader)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
@@ -25,14 +25,25 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load a SRC; the keyword arguments of `load_model` (the CLI builds one per command)."""
-    dtype: str | None = None                # "float32" | "float16" | "bfloat16" | None: as stored
-    trust_remote_code: bool = False         # run Python files shipped with the model (auto_map)
-    allow_missing_weights: bool = False     # load even if tensors are missing, extra or of the wrong shape
+    """How to load a SRC: `load_model(src, options=...)` (the CLI builds one per command). Field metadata: the
+    flag that sets each field on the command line, and its help."""
+    dtype: str | None = field(default=None, metadata=dict(   # float32 | float16 | bfloat16 | None: as stored
+        flag="--dtype", choices=tuple(DTYPE_NAMES),
+        help="Load the model in this dtype (default: as stored; the demo model: fp32)."))
+    trust_remote_code: bool = field(default=False, metadata=dict(   # run Python files shipped with the model
+        flag="--trust-remote-code",
+        help="Run the Python code a model folder ships (auto_map). Default: never run it, never prompt."))
+    allow_missing_weights: bool = field(default=False, metadata=dict(   # load even if tensors do not match
+        flag="--allow-missing-weights",
+        help="Load SRC even if its weights lack tensors, have extra ones or wrong shapes (missing ones get random "
+             "values). Default: an error naming them."))
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))   # fp16, torch.float16 -> "float16"
 
 
 def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = False,
-               allow_missing_weights: bool = False):
+               allow_missing_weights: bool = False, *, options: LoadOptions | None = None):
     """(model, tokenizer or None) from a folder, a Hub id or `normswap-demo`; in eval mode.
 
     dtype: "float32" | "float16" | "bfloat16" (or fp32, fp16, bf16, a torch.dtype) | None (as stored; the demo
@@ -40,9 +51,11 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
     trust_remote_code: run Python files shipped with the model (auto_map); never by default.
     allow_missing_weights: load even if tensors are missing, unexpected or of the wrong shape (missing
     ones keep random values); by default that is an error naming them.
+    options: a LoadOptions instead of the three keywords.
     """
+    o = options if options is not None else LoadOptions(dtype, trust_remote_code, allow_missing_weights)
+    dtype, trust_remote_code, allow_missing_weights = o.dtype, o.trust_remote_code, o.allow_missing_weights
     where, local = resolve_source(src)
-    dtype = dtype_name(dtype)
     if src == DEMO_NAME and dtype is None:
         dtype = "float32"
     if local and "normswap" in read_config(where):  # our own folders: rebuilt without AutoConfig or remote code
@@ -66,7 +79,7 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
     except NormswapError:
         raise
     except Exception as e:  # transformers raises many types; users get one line
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e, type(e).__name__)
         if not trust_remote_code and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
             msg = "it ships its own Python code (auto_map), which normswap runs only with `trust_remote_code=True`"
         raise NormswapError(f"cannot load model from {src}: {msg}") from None

@@ -11,9 +11,10 @@ import torch
 import transformers
 from torch import nn
 
-from normswap.checkpoint import safetensors
-from normswap.errors import NormswapError, reraised
-from normswap.models import portable, schema
+from normswap.io import safetensors
+from normswap.errors import NormswapError, first_line, reraised
+from normswap.io import portable
+from normswap.models import schema
 from normswap.models.hub import MODELING_FILE
 from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
                                     transformers_class)
@@ -86,7 +87,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     except NormswapError:
         raise
     except Exception as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        why = first_line(e, type(e).__name__)
         raise NormswapError(f"{path}: bad config.json: {why}") from None
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
     model = build_model(cls, config, DTYPES[dtype] if dtype else stored)
@@ -108,4 +109,4 @@ def _load_generation_config(model: nn.Module, path: Path) -> None:
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(path)
     except Exception as e:  # transformers' own validation: a bad file is an error, not a silent default
-        raise NormswapError(f"{path}/generation_config.json: {str(e).splitlines()[0]}") from None
+        raise NormswapError(f"{path}/generation_config.json: {first_line(e)}") from None

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from normswap.atomic import atomic_dir
-from normswap.checkpoint import safetensors
+from normswap.io.atomic import atomic_dir
+from normswap.io import safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
 from normswap.models.hub import make_self_describing

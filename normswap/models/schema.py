@@ -12,7 +12,7 @@ from pathlib import Path
 from torch import nn
 
 from normswap.errors import reraised
-from normswap.models import portable
+from normswap.io import portable
 
 FORMAT = portable.FORMAT
 

@@ -15,13 +15,14 @@ import transformers
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForCTC, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
 
-from normswap.checkpoint import safetensors
-from normswap.errors import NormswapError
+from normswap.io import safetensors
+from normswap.errors import NormswapError, first_line
 from normswap.models.demo import DEMO_DIR, DEMO_NAME
 from normswap.models.introspect import is_causal_lm
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DTYPE_NAMES = {**ALIASES, **{name: name for name in DTYPES}}   # every name `dtype` takes -> a DTYPES key
 
 
 def dtype_name(dtype) -> str | None:
@@ -29,8 +30,8 @@ def dtype_name(dtype) -> str | None:
     if dtype is None:
         return None
     name = str(dtype).removeprefix("torch.")
-    name = ALIASES.get(name, name)
-    if name not in DTYPES:
+    name = DTYPE_NAMES.get(name)
+    if name is None:
         raise NormswapError(f"unknown `dtype` {dtype!r}: choose float32, float16 or bfloat16 (fp32, fp16, bf16)")
     return name
 
@@ -153,7 +154,7 @@ def read_config(path: str | Path) -> dict:
     except FileNotFoundError:
         raise NormswapError(f"{path} has no config.json: not a model folder") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise NormswapError(f"{file} is not readable JSON: {str(e).splitlines()[0]}") from None
+        raise NormswapError(f"{file} is not readable JSON: {first_line(e)}") from None
     if not isinstance(raw, dict):
         raise NormswapError(f"{file} is not a JSON object")
     return raw

@@ -16,6 +16,7 @@ straight to C++: no per-call backend resolution, export check or input check in 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -41,7 +42,6 @@ except AttributeError:  # not CPython's os.environ
 _is_compiling = torch.compiler.is_compiling
 _is_tracing = torch._C._is_tracing
 _functorch_active = torch._C._are_functorch_transforms_active
-_eager = [object(), None]  # [the raw NORMSWAP_BACKEND it was decided for, the C++ module or None]
 
 
 def _setting() -> str:
@@ -82,20 +82,19 @@ def resolve_backend(x: torch.Tensor) -> str:
     return "triton" if HAS_TRITON and x.is_cuda else "torch"
 
 
-def _eager_cpu_module():
-    """The C++ module for eager CPU calls under the current NORMSWAP_BACKEND, else None."""
-    raw = _env_raw(_ENV_KEY)
-    if raw is not _eager[0]:
-        choice = _setting()
-        _eager[:] = [raw, _cpu_module(choice == "cpu") if choice in ("auto", "cpu") else None]
-    return _eager[1]
+@functools.lru_cache(maxsize=1)
+def _eager_module(raw):
+    """The C++ module for eager CPU calls under the raw NORMSWAP_BACKEND value `raw`, else None: decided once
+    per value (an error, NORMSWAP_BACKEND=cpu where the kernel cannot be built, again at the next call)."""
+    choice = _setting()
+    return _cpu_module(choice == "cpu") if choice in ("auto", "cpu") else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              residual: torch.Tensor | None = None, p: float | None = None):
     """RMSNorm over the last dim (pRMSNorm when p is given); returns y, or (y, x + residual) with `residual`."""
     if x.is_cpu and not _pytorch_form_needed():
-        fast = _eager_cpu_module()
+        fast = _eager_module(_env_raw(_ENV_KEY))
         if fast is not None:  # checks, promotion and broadcasting happen in C++
             k = -1 if p is None else partial_width(x.shape[-1], p)
             if residual is None:

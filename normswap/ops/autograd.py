@@ -11,16 +11,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from normswap.ops import fakes
 from normswap.ops.reference import partial_width
 
 
 def _kernels():
     from normswap.ops import triton_kernels
     return triton_kernels
-
-
-def _empty_rows(x: Tensor) -> Tensor:
-    return x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 # ---- forward: plain ----------------------------------------------------------------------------
@@ -31,9 +28,7 @@ def rms_norm_fwd(x: Tensor, weight: Optional[Tensor], eps: float, k: int) -> tup
     return y, rstd
 
 
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, k):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device), _empty_rows(x)
+rms_norm_fwd.register_fake(fakes.forward)
 
 
 # ---- forward: fused residual add ---------------------------------------------------------------
@@ -44,10 +39,7 @@ def rms_norm_add_fwd(x: Tensor, residual: Tensor, weight: Optional[Tensor], eps:
     return _kernels().rms_norm_fwd(x, weight, eps, k, residual=residual)
 
 
-@rms_norm_add_fwd.register_fake
-def _(x, residual, weight, eps, k):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(x.shape, dtype=x.dtype, device=x.device), _empty_rows(x))
+rms_norm_add_fwd.register_fake(fakes.forward_add)
 
 
 # ---- backward (shared) -------------------------------------------------------------------------
@@ -60,11 +52,7 @@ def rms_norm_bwd(dy: Tensor, h: Tensor, rstd: Tensor, weight: Optional[Tensor], 
     return dx, (dw if dw is not None else h.new_empty(0))
 
 
-@rms_norm_bwd.register_fake
-def _(dy, h, rstd, weight, dh_out, k, need_dw):
-    dw = (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-          if weight is not None and need_dw else h.new_empty(0))
-    return torch.empty(h.shape, dtype=h.dtype, device=h.device), dw
+rms_norm_bwd.register_fake(fakes.backward)
 
 
 def _setup_plain(ctx, inputs, output):

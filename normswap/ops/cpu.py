@@ -25,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from normswap.errors import first_line
+from normswap.ops import fakes
+
 SOURCES = ("cpu_kernels.cpp", "cpu_bindings.cpp")
 # The extensions ATen's own AVX512/AVX2 kernels are built for (AVX512: -mavx512f/bw/vl/dq -mfma, as in
 # torch's cmake), so at::vec picks the same vector width; plus F16C for fp16 conversions (every AVX2 CPU
@@ -135,7 +138,7 @@ def extension():
     try:
         module = build()
     except Exception as e:  # noqa: BLE001 - any failure means "use the PyTorch path"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e, type(e).__name__, strip=True)
         warnings.warn(f"normswap: the fast CPU RMSNorm is unavailable ({first}); "
                       "using the slower PyTorch path", RuntimeWarning, stacklevel=2)
         return None
@@ -145,20 +148,6 @@ def extension():
 
 def _register_fakes() -> None:
     """Shape-only implementations, so torch.compile and torch.export can trace through the ops."""
-    def rows(x):
-        return x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-    @torch.library.register_fake("normswap::cpu_rms_norm")
-    def _(x, weight, eps, k):
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), rows(x)
-
-    @torch.library.register_fake("normswap::cpu_rms_norm_add")
-    def _(x, residual, weight, eps, k):
-        return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-                torch.empty(x.shape, dtype=x.dtype, device=x.device), rows(x))
-
-    @torch.library.register_fake("normswap::cpu_rms_norm_backward")
-    def _(dy, h, rstd, weight, dh_out, k, need_dw):
-        dw = (torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-              if weight is not None and need_dw else h.new_empty(0))
-        return torch.empty(h.shape, dtype=h.dtype, device=h.device), dw
+    torch.library.register_fake("normswap::cpu_rms_norm", fakes.forward)
+    torch.library.register_fake("normswap::cpu_rms_norm_add", fakes.forward_add)
+    torch.library.register_fake("normswap::cpu_rms_norm_backward", fakes.backward)

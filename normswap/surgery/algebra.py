@@ -4,7 +4,7 @@
   channels, or over given channel ranges only: Linear (out, in) along dim 0, Conv1D (in, out) along dim 1,
   Embedding rows, ConvNd output channels (`centred` is the same map applied to any tensor).
 - `fold_bias`: c' = c + W b for a linear layer reading a norm whose bias is b (the bias created if absent).
-- `scale_outputs` / `fold_scale`: a per-channel scale (LayerScale) multiplied into the layer before it.
+- `scale_outputs`: a per-channel scale (LayerScale, `scale_parameter`) multiplied into the layer before it.
 
 fp64 working copies are made a slice at a time: a whole fp64 vocabulary matrix would be twice the size of
 the fp32 one and set the peak memory of the whole conversion. 64 MB slices: above glibc's largest mmap
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_conv1d
-from normswap.models.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
+from normswap.io.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
 
 CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
 
@@ -105,13 +105,6 @@ def scale_parameter(model: nn.Module, target: str) -> nn.Parameter:
     if target.startswith("param:"):
         return model.get_parameter(target[6:])
     return next(model.get_submodule(target).parameters())
-
-
-def fold_scale(model: nn.Module, target: str, layer: str) -> None:
-    """layer's outputs *= the scale's factor, which becomes 1 (LayerScale folded into the layer)."""
-    lam = scale_parameter(model, target)
-    scale_outputs(model.get_submodule(layer), lam)
-    lam.fill_(1.0)
 
 
 def bias_shift(layer: nn.Module, b: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,11 @@ centre the first input of a block instead).
 
 The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
 embedding norm, a headless model's final norm, Whisper's encoder stream; see `exact`). They are forward
-hooks defined in `models.portable`, the module every converted folder ships, so that what the conversion
+hooks defined in `io.portable`, the module every converted folder ships, so that what the conversion
 installs and what loading re-applies (in normswap and in plain transformers) is one piece of code.
 """
 from __future__ import annotations
 
-from normswap.models.portable import add_input_fix, add_output_fix, centre_input, describe_fix, fixed
+from normswap.io.portable import add_input_fix, add_output_fix, centre_input, describe_fix, fixed
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed"]

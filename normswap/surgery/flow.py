@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from normswap.surgery.labels import Label
+
 SHIFT = 40   # codes: (part + 1) << SHIFT | row * width + channel; 0: a zero element
 
 
 @dataclass(eq=False, frozen=True)
 class Flow:
-    labels: frozenset
+    labels: frozenset                      # of `labels.Label`
     opaque: str | None = None              # why the tensor is no longer a pure combination
     hd: int | None = -1                    # intact: the hidden dim, as a negative index
     codes: torch.Tensor | None = None      # mapped: per element, see SHIFT
@@ -90,7 +92,7 @@ def canonical(codes: torch.Tensor, parts, plain: bool) -> Flow:
 @dataclass
 class NormInput:
     """One call of a norm: its input's sources with the channel ranges each norm row covers, or why not."""
-    sources: dict[str, frozenset]           # label -> {(start, stop)} ranges of its channels
+    sources: dict[Label, frozenset]         # label -> {(start, stop)} ranges of its channels
     opaque: str | None = None
 
 
@@ -123,7 +125,7 @@ def norm_input(flow: Flow) -> NormInput:
     if why:   # centring would shift the parts of a row by different amounts: the norm does not ignore that
         return NormInput({label: frozenset() for label in labels_all},
                          f"{why}, whose parts centring would shift by different amounts")
-    sources: dict[str, frozenset] = {}
+    sources: dict[Label, frozenset] = {}
     for p, (labels, _) in enumerate(flow.parts):
         sel = part[:, 0] == p
         if bool(sel.any()):

@@ -8,6 +8,7 @@ state_dict are untouched, and `unfuse_residual_norms` swaps back.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
@@ -22,7 +23,12 @@ __all__ = ["fuse_residual_norms", "unfuse_residual_norms"]
 _GPT2_PARAMS = ("hidden_states", "past_key_values", "attention_mask", "encoder_hidden_states",
                 "encoder_attention_mask", "use_cache")
 _CACHE_NAMES = ("past_key_values", "cache")
-_fused_classes: dict[type, type] = {}
+
+
+@functools.cache   # one fused class per block class: fused modules of one model share it
+def _fused_class(cls: type) -> type:
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_gpt2_forward(_cache_name(cls)),
+                                                  "__module__": __name__, "_normswap_unfused": cls})
 
 
 def _fused_gpt2_forward(cache_name: str):
@@ -79,17 +85,12 @@ def fuse_residual_norms(model: nn.Module) -> list[str]:
     """
     fused = []
     for name, module in model.named_modules():
-        if type(module) in _fused_classes.values():
+        if getattr(type(module), "_normswap_unfused", None) is not None:
             fused.append(name)
             continue
         if not _is_gpt2_block(module) or not _fusable(module):
             continue
-        cls = type(module)
-        if cls not in _fused_classes:
-            _fused_classes[cls] = type(f"Fused{cls.__name__}", (cls,),
-                                       {"forward": _fused_gpt2_forward(_cache_name(cls)), "__module__": __name__,
-                                        "_normswap_unfused": cls})
-        module.__class__ = _fused_classes[cls]
+        module.__class__ = _fused_class(type(module))
         fused.append(name)
     return fused
 

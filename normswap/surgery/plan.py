@@ -4,9 +4,10 @@ Per norm: its sources (what its input is a sum of, over every call), its readers
 its output) and what happens to its bias: "fold" into the readers, "after" (kept as a bias after the norm:
 a reader is not linear or also reads something else, or the output is returned), "stream" (the norm's
 output is itself a stream writer, as BLOOM's embedding norm: its output is centred and its centred bias
-kept after), "none" (no bias). `reason` says why a norm cannot be made exact (then the plan is refused as
-a whole); `Plan.reasons` holds the model-wide ones (a parameter that never ran); `not_kept` lists returned
-outputs that cannot be preserved (the residual stream).
+kept after), "none" (no bias). `reason` (a `labels.Refusal`) says why a norm cannot be made exact (then the
+plan is refused as a whole); `Plan.reasons` holds the model-wide ones (a parameter that never ran);
+`not_kept` lists returned outputs that cannot be preserved (the residual stream). Sources are
+`labels.Label`s; decisions read a refusal's cause, never its text.
 
 The steps apply the plan one small independent edit at a time, each touching only the modules it names
 through `model.get_submodule`, so a streaming applier can materialise just what a step needs:
@@ -26,20 +27,23 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from normswap.models.introspect import is_linear, norm_kind
+from normswap.surgery.labels import Cause, Label, Refusal, User
 from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
+
+PARAM = "param:"   # a Step target naming a parameter, not a module
 
 
 @dataclass
 class NormPlan:
     name: str
     width: int
-    sources: list[str] = field(default_factory=list)
+    sources: list[Label] = field(default_factory=list)
     readers: list[str] = field(default_factory=list)
-    bias: str = "none"          # "fold" | "after" | "stream" | "none"
-    reason: str | None = None   # why this norm cannot be made exact
-    shifted: bool = False       # its input is no plain sum: centring its sources changes it, even as a LayerNorm
+    bias: str = "none"              # "fold" | "after" | "stream" | "none"
+    reason: Refusal | None = None   # why this norm cannot be made exact
+    shifted: bool = False           # its input is no plain sum: centring its sources changes it, even as a LayerNorm
 
 
 @dataclass
@@ -52,20 +56,32 @@ class Step:
     ranges: tuple = ()     # centre: ((start, stop), ...) centred one by one, the other channels kept
     axis: int = -1         # centre of a "param:": the dim that holds its output channels
 
+    @property
+    def param(self) -> str | None:
+        """The parameter the target names ("param:<name>"); None for a module."""
+        return self.target[len(PARAM):] if self.target.startswith(PARAM) else None
+
 
 @dataclass
 class Plan:
     norms: dict[str, NormPlan]
     steps: list[Step]
-    reasons: list[str] = field(default_factory=list)     # model-wide: untraced writers
+    reasons: list[Refusal] = field(default_factory=list)   # model-wide: untraced writers
     not_kept: dict[str, str] = field(default_factory=dict)   # returned output -> why it is not preserved
     uncalled: list[str] = field(default_factory=list)    # centred layers whose weights are used without a call
 
     @property
-    def reason(self) -> str | None:
-        reasons = [p.reason for p in self.norms.values() if p.reason]  # post-LN says the most: first
-        return next((r for r in reasons if "post-LN" in r), reasons[0] if reasons else
+    def refusal(self) -> Refusal | None:
+        """Why the plan is refused: a post-LN norm says the most, then the first norm refused, then a model-wide
+        reason; None: the plan is exact."""
+        reasons = [p.reason for p in self.norms.values() if p.reason]
+        return next((r for r in reasons if r.cause is Cause.POST_LN), reasons[0] if reasons else
                     self.reasons[0] if self.reasons else None)
+
+    @property
+    def reason(self) -> str | None:
+        """The refusal's text (see `refusal`)."""
+        return None if self.refusal is None else str(self.refusal)
 
 
 def centrable(layer: nn.Module) -> str | None:
@@ -87,92 +103,94 @@ def _covered(ranges) -> set[int]:
     return {c for a, b in ranges for c in range(a, b)}
 
 
-def nested(user: str) -> str | None:
-    """The name of a returned tensor that is part of a sub-model's output or a tuple (`hidden_states.2`,
-    `vision_model_output.last_hidden_state`): the centred stream there is listed as not kept, not refused."""
-    name = user[len("the model output '"):-1] if user.startswith("the model output '") else ""
-    return name if "." in name else None
-
-
-def _conflict(t: Trace, label: str, ranges) -> str | None:
+def _conflict(t: Trace, label: Label, ranges) -> User | None:
     """A reader other than a norm of the channels of `label` that are centred (nested outputs aside)."""
     centred = None
     for user, channels in sorted(t.uses.get(label, {}).items()):
-        if nested(user):
+        if user.nested:
             continue
         if channels is None or (centred := centred if centred is not None else _covered(ranges)) & channels:
             return user
     return None
 
 
-def _mixed(t: Trace, user: str, what: str) -> str | None:
-    """The reason when `user` read the stream only because it mixed it with an opaque value."""
+def _mixed(t: Trace, user: User, what: str, modules: tuple) -> Refusal | None:
+    """The refusal when `user` read the stream only because it mixed it with an opaque value."""
     cause = t.poison.get(user)
-    return None if cause is None else (f"the stream that {what} is mixed ({user}) with a value that went through "
-                                       f"{cause}, which no weight edit centres")
+    return None if cause is None else Refusal(Cause.MIXED, f"the stream that {what} is mixed ({user}) with a value "
+                                              f"that went through {cause}, which no weight edit centres", modules)
 
 
-def _post_ln(t: Trace, name: str, fed: str, many: bool = True) -> str | None:
+def _stream(user: User, name: str) -> Refusal:
+    return Refusal(Cause.STREAM, f"{user} is the unnormalised residual stream (written by {name}); only outputs read "
+                   "through a final norm can be kept exact", (name,))
+
+
+def _post_ln(t: Trace, name: str, fed: str, many: bool = True) -> Refusal | None:
     """Why the norm `name`, whose output is part of the input of the norm `fed`, cannot be exact; `many`: more
     than one norm is placed so (a post-LN model)."""
-    label = "norm:" + name
-    users = [u for u in t.readers.get(name, []) + sorted(t.uses.get(label, ())) if not nested(u)]
+    label = Label("norm", name)
+    users = [User("reader", r) for r in t.readers.get(name, [])] + \
+        [u for u in sorted(t.uses.get(label, ())) if not u.nested]
     if not users:
         return None
     if fed == name:
-        return (f"{name} is applied again to its own output (a norm of a norm's output, whose mean depends on the "
-                f"input), and its first output is also read by {users[0]}, so it cannot be centred")
-    if (why := _mixed(t, users[0], f"{name} writes")) is not None:
+        return Refusal(Cause.REAPPLIED, f"{name} is applied again to its own output (a norm of a norm's output, "
+                       f"whose mean depends on the input), and its first output is also read by {users[0]}, so it "
+                       "cannot be centred", (name,))
+    if (why := _mixed(t, users[0], f"{name} writes", (name,))) is not None:
         return why
-    if all(u.startswith("the model output") for u in users):
-        return (f"{users[0]} is the unnormalised residual stream (written by {name}); only outputs read through "
-                "a final norm can be kept exact")
+    if all(u.kind == "output" for u in users):
+        return _stream(users[0], name)
     if many:
-        return (f"{name} is post-LN: its output is added to the residual stream and also read by {users[0]}, "
-                "so the stream carries a mean that depends on the input")
-    return (f"{name}'s output is added to the residual stream and also read directly by {users[0]} (no norm of its "
-            "own in between), so the stream carries a mean that depends on the input")
+        return Refusal(Cause.POST_LN, f"{name} is post-LN: its output is added to the residual stream and also read "
+                       f"by {users[0]}, so the stream carries a mean that depends on the input", (name,))
+    return Refusal(Cause.READ, f"{name}'s output is added to the residual stream and also read directly by "
+                   f"{users[0]} (no norm of its own in between), so the stream carries a mean that depends on the "
+                   "input", (name,))
 
 
-def _rms_norm(model: nn.Module, user: str) -> bool:
-    """Whether `user` ("<module> (<class>)", or an operation, or a model output) is an RMSNorm module."""
+def _rms_norm(model: nn.Module, user: User) -> bool:
+    """Whether `user` is an RMSNorm module."""
     try:
-        return norm_kind(model.get_submodule(user.partition(" (")[0])) == "rmsnorm"
+        return user.kind == "module" and norm_kind(model.get_submodule(user.name)) == "rmsnorm"
     except AttributeError:
         return False
 
 
-def _source_reason(model: nn.Module, t: Trace, norm: str, label: str, ranges, many: bool) -> str | None:
-    kind, _, name = label.partition(":")
-    if kind == "norm":
-        return _post_ln(t, name, norm, many)
+def _source_reason(model: nn.Module, t: Trace, norm: str, label: Label, ranges, many: bool) -> Refusal | None:
+    name, both = label.ref, (label.ref, norm)
+    if label.kind == "norm":
+        return _post_ln(t, label.name, norm, many)
     if (user := _conflict(t, label, ranges)) is not None:
-        if (why := _mixed(t, user, f"{name} writes into the input of {norm}")) is not None:
+        if (why := _mixed(t, user, f"{name} writes into the input of {norm}", both)) is not None:
             return why
-        if user.startswith("the model output"):
-            return (f"{user} is the unnormalised residual stream (written by {name}); only outputs read through "
-                    "a final norm can be kept exact")
+        if user.kind == "output":
+            return _stream(user, name)
         if _rms_norm(model, user):
-            return (f"{name} writes the input of {norm} but its output is also read by {user}, an RMSNorm, which "
-                    "is not invariant to the mean that centring removes")
-        return f"{name} writes the input of {norm} but its output is also read unnormalised by {user}"
+            return Refusal(Cause.READ, f"{name} writes the input of {norm} but its output is also read by {user}, "
+                           "an RMSNorm, which is not invariant to the mean that centring removes", both)
+        return Refusal(Cause.READ, f"{name} writes the input of {norm} but its output is also read unnormalised "
+                       f"by {user}", both)
     if label in t.scales:   # folded into the one layer it scales, which is then centred
         inner = {lb for f in t.scales[label] for lb in f.labels}
-        one = next(iter(inner)) if len(inner) == 1 and all(len(f.labels) == 1 for f in t.scales[label]) else ""
-        param = "param:" + name if kind == "scale" else None
-        if not one.startswith("layer:") or t.uses.get(one) or t.fed_norms.get(one) or \
-                centrable(model.get_submodule(one[6:])) or param and (t.uses.get(param) or t.fed_norms.get(param)):
-            return (f"{name} scales the input of {norm} but scales something other than one layer's output (or is "
-                    "used elsewhere), so it cannot be folded into a layer and centred")
+        one = next(iter(inner)) if len(inner) == 1 and all(len(f.labels) == 1 for f in t.scales[label]) else None
+        param = label.of("param") if label.kind == "scale" else None
+        if one is None or one.kind != "layer" or t.uses.get(one) or t.fed_norms.get(one) or \
+                centrable(model.get_submodule(one.name)) or param and (t.uses.get(param) or t.fed_norms.get(param)):
+            return Refusal(Cause.SCALE, f"{name} scales the input of {norm} but scales something other than one "
+                           "layer's output (or is used elsewhere), so it cannot be folded into a layer and centred",
+                           both)
         return None
-    if kind == "layer" and (why := centrable(model.get_submodule(name))):
-        kind = type(model.get_submodule(name)).__name__
-        return f"{name} ({kind}) writes the input of {norm} and cannot be centred: {why}"
+    if label.kind == "layer" and (why := centrable(model.get_submodule(label.name))):
+        kind = type(model.get_submodule(label.name)).__name__
+        return Refusal(Cause.UNCENTRABLE, f"{name} ({kind}) writes the input of {norm} and cannot be centred: {why}",
+                       both)
     return None
 
 
 def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> str:
-    label = "norm:" + s.name
+    label = Label("norm", s.name)
     if s.bias is None or not s.bias.detach().any():
         return "none"
     if t.fed_norms.get(label):
@@ -186,22 +204,23 @@ def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> s
 def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     """The plan for converting `sites` exactly, from the trace `t` of `model`."""
     norms: dict[str, NormPlan] = {}
-    needs: dict[str, dict[tuple, str]] = {}   # label -> channel range -> a norm that needs it centred
+    needs: dict[Label, dict[tuple, str]] = {}   # label -> channel range -> a norm that needs it centred
     # post-LN: norms whose output is both in the stream and read, one feeding the next (not one such norm per
     # tower: LLaVA's image and video towers' pre-norms, read by the projector)
-    placed = {s.name for s in sites if t.fed_norms.get("norm:" + s.name)
-              and (t.readers.get(s.name) or t.uses.get("norm:" + s.name))}
-    many = any(set(t.fed_norms["norm:" + n]) & (placed - {n}) for n in placed)
+    placed = {s.name for s in sites if t.fed_norms.get(Label("norm", s.name))
+              and (t.readers.get(s.name) or t.uses.get(Label("norm", s.name)))}
+    many = any(set(t.fed_norms[Label("norm", n)]) & (placed - {n}) for n in placed)
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)
         if not calls:
-            p.reason = f"{s.name} did not run on the sample inputs"
+            p.reason = Refusal(Cause.UNRUN, f"{s.name} did not run on the sample inputs", (s.name,))
             continue
-        sources: dict[str, frozenset] = {}
+        sources: dict[Label, frozenset] = {}
         for call in calls:
             if call.opaque and not p.reason:
-                p.reason = f"the input of {s.name} is not a sum of layer outputs (it passes through {call.opaque})"
+                p.reason = Refusal(Cause.OPAQUE, f"the input of {s.name} is not a sum of layer outputs (it passes "
+                                   f"through {call.opaque})", (s.name,))
             p.shifted = p.shifted or bool(call.opaque)
             for label, ranges in call.sources.items():
                 sources[label] = sources.get(label, frozenset()) | ranges
@@ -211,36 +230,36 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                 needs.setdefault(label, {}).setdefault(r, s.name)
         p.reason = p.reason or next((r for r in (_source_reason(model, t, s.name, lb, sources[lb], many)
                                                  for lb in p.sources) if r), None)
-        if t.fed_norms.get("norm:" + s.name):
-            p.reason = p.reason or next((r for fed in sorted(t.fed_norms["norm:" + s.name])
+        if t.fed_norms.get(Label("norm", s.name)):
+            p.reason = p.reason or next((r for fed in sorted(t.fed_norms[Label("norm", s.name)])
                                          if (r := _post_ln(t, s.name, fed, many))), None)
         p.bias = _bias_fate(model, t, s, p.readers)
     groups = {label: _grouping(t, label, needs[label], norms) for label in needs}
     for label, (group, ranges) in groups.items():   # output and input fixes centre whole rows only
         if _fixed(model, label) and (ranges or group != t.widths.get(label, group)):
             p = norms[next(iter(needs[label].values()))]
-            p.reason = p.reason or (f"{label.partition(':')[2]} is normalised in groups of channels, which its "
-                                    "output (or input) centring cannot do")
+            p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised in groups of channels, which "
+                                           "its output (or input) centring cannot do", (label.name, p.name))
     reasons = _unrun(model, t, sites, needs)
     # a norm's output that another norm reads is centred too (BLOOM's embedding norm, PaddleOCR-VL's vision
     # post-norm read by the projector's norm)
     not_kept = {name: "a norm's output that another norm reads, returned centred (each row minus its mean)"
-                if label.startswith("norm:") else "the residual stream, returned centred (each row minus its mean)"
-                for label in needs for user in t.uses.get(label, {}) if (name := nested(user))}
+                if label.kind == "norm" else "the residual stream, returned centred (each row minus its mean)"
+                for label in needs for user in t.uses.get(label, {}) if (name := user.nested)}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
-    uncalled = [s.target for s in steps if s.op == "centre" and not s.target.startswith("param:")
-                and s.target not in t.called]
+    uncalled = [s.target for s in steps if s.op == "centre" and s.param is None and s.target not in t.called]
     return Plan(norms, steps, reasons, dict(sorted(not_kept.items())), uncalled)
 
 
-def _grouping(t: Trace, label: str, ranges: dict[tuple, str], norms: dict[str, NormPlan]) -> tuple[int, tuple]:
+def _grouping(t: Trace, label: Label, ranges: dict[tuple, str], norms: dict[str, NormPlan]) -> tuple[int, tuple]:
     """(group, ranges) of a source's centre step; a conflict sets the reason of a norm that reads it."""
     spans = sorted(ranges)
     for (a, b), (c, d) in zip(spans, spans[1:]):
         if c < b:   # overlapping but different: no centring satisfies both
             p = norms[ranges[(c, d)]]
-            p.reason = p.reason or (f"{label.partition(':')[2]} is normalised in different channel groups by "
-                                    f"{ranges[(a, b)]} and {ranges[(c, d)]}")
+            p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised in different channel groups "
+                                           f"by {ranges[(a, b)]} and {ranges[(c, d)]}",
+                                           (label.name, ranges[(a, b)], ranges[(c, d)]))
     width = t.widths.get(label, 0)
     size = spans[0][1] - spans[0][0]
     if spans == [(i, i + size) for i in range(0, width, size)]:
@@ -248,23 +267,22 @@ def _grouping(t: Trace, label: str, ranges: dict[tuple, str], norms: dict[str, N
     return 0, tuple(spans)
 
 
-def _fixed(model: nn.Module, label: str) -> bool:
+def _fixed(model: nn.Module, label: Label) -> bool:
     """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding."""
-    kind, _, name = label.partition(":")
-    if kind in ("norm", "entry"):
+    if label.kind in ("norm", "entry"):
         return True
-    layer = model.get_submodule(name) if kind == "layer" else None
+    layer = model.get_submodule(label.name) if label.kind == "layer" else None
     return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre"))
 
 
-def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[str]:
+def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[Refusal]:
     """Parameters that never ran, are as wide as a normalised stream, and that the model's code can reach
     (`reach`: read at all, and not only behind an optional argument its parent never passes): the trace
     cannot tell what they write (a path only some inputs take: image tokens, masked
     positions)."""
     widths = {t.widths[label] for label in needs if label in t.widths}
     skip = {s.name for s in sites}
-    found: list[str] = []
+    found: dict[str, str] = {}   # what a message names -> the module or parameter
     unrun = [(name, param) for name, param in model.named_parameters()
              if name not in t.ran and name.rpartition(".")[0] not in skip and widths & set(param.shape)]
     names = read_names(model) if unrun else None
@@ -275,25 +293,24 @@ def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> li
         module = model.get_submodule(owner)
         what = f"{owner} ({type(module).__name__})" if next(module.children(), None) is None and \
             len(list(module.parameters(recurse=False))) > 1 else name
-        if what not in found:
-            found.append(what)
+        found.setdefault(what, owner if what != name else name)
     if not found:
         return []
     more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-    return [f"{', '.join(found[:3])}{more} did not run on the sample inputs, so the trace cannot tell whether "
-            "it writes into a normalised stream (a path only some inputs take: pass inputs that run it, or use "
-            "naive)"]
+    return [Refusal(Cause.UNRUN, f"{', '.join(list(found)[:3])}{more} did not run on the sample inputs, so the "
+                    "trace cannot tell whether it writes into a normalised stream (a path only some inputs take: "
+                    "pass inputs that run it, or use naive)", tuple(found.values()))]
 
 
 def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[str],
-           groups: dict[str, tuple[int, tuple]]) -> list[Step]:
+           groups: dict[Label, tuple[int, tuple]]) -> list[Step]:
     steps, seen = [], set()
     for p in norms.values():
         for label in p.sources:
             if label in seen:
                 continue
             seen.add(label)
-            kind, _, name = label.partition(":")
+            kind, name = label.kind, label.name
             group, ranges = groups.get(label, (p.width, ()))
             if kind == "norm":   # a norm writing the stream: centre its output (bias: see below)
                 if name not in sites and not hasattr(model.get_submodule(name), "normswap_centre"):
@@ -309,13 +326,13 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                     steps.append(Step("fix", name, centre=True))
                 continue
             if label in t.scales:
-                inner = next(iter(t.scales[label][0].labels))[6:]
-                target = "param:" + name if kind == "scale" else name
+                inner = next(iter(t.scales[label][0].labels)).name
+                target = PARAM + label.ref if kind == "scale" else name
                 steps += [Step("scale", target, norm=inner), Step("centre", inner, group=group, ranges=ranges)]
                 continue
-            if kind == "param":   # "param:<name>#-2": F.linear's weight, whose rows are the channels
-                param, _, axis = label.partition("#")
-                steps.append(Step("centre", param, group=group, ranges=ranges, axis=int(axis or -1)))
+            if kind == "param":   # axis -2: F.linear's weight, whose rows are the channels
+                axis = -1 if label.axis is None else label.axis
+                steps.append(Step("centre", PARAM + name, group=group, ranges=ranges, axis=axis))
                 continue
             steps.append(Step("centre", name, group=group, ranges=ranges))
     for p in norms.values():
@@ -323,6 +340,29 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
             steps += [Step("fold", r, norm=p.name) for r in p.readers]
         elif p.bias in ("after", "stream"):
             steps.append(Step("fix", p.name, norm=p.name, centre=p.bias == "stream"))
-        elif "norm:" + p.name in t.fed_norms:
+        elif Label("norm", p.name) in t.fed_norms:
             steps.append(Step("fix", p.name, centre=True))
     return steps
+
+
+def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
+    """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
+    exact RMSNorms: none where the model is post-LN or a parameter never ran (those concern every norm), or
+    where every norm is refused. A LayerNorm ignores the mean its input loses when the stream's writers are
+    centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
+    refused = {n: q.reason for n, q in p.norms.items() if q.reason}
+    if p.reasons or not refused or len(refused) >= len(sites) or \
+            any(r.cause is Cause.POST_LN for r in refused.values()):
+        return {}
+    # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
+    # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm
+    # reading one, or writing one, stays a LayerNorm too (Swin: all stages but the last).
+    pinned = {label: n for n in refused if p.norms[n].shifted for label in p.norms[n].sources}
+    for s in sites:
+        own = Label("norm", s.name)
+        hit = next((lb for lb in [*p.norms[s.name].sources, own] if lb in pinned), None)
+        if s.name not in refused and hit:
+            what = "its output" if hit == own else f"its input holds {hit.ref}, which"
+            refused[s.name] = Refusal(Cause.PINNED, f"{what} also reaches {pinned[hit]}, whose input is not a plain "
+                                      "sum, so it cannot be centred", (s.name, pinned[hit]))
+    return refused if len(refused) < len(sites) else {}

@@ -1,6 +1,6 @@
 """The recorder behind `trace`: a TorchFunctionMode plus hooks on known leaves that give every followed
 tensor a `flow.Flow` and record, per norm call, its input; per leaf, what it read; per label, who used it
-(see `trace` for the whole story and `rules` for the operations)."""
+(see `trace` for the whole story, `rules` for the operations and `labels` for labels and users)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -11,10 +11,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from normswap.models.introspect import in_width, is_scale, norm_kind
-from normswap.parity import main_output
+from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
 from normswap.surgery.flow import ZERO, Flow, NormInput, decode, norm_input, opaque
+from normswap.surgery.labels import Label, User
 
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
 IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
@@ -29,41 +30,21 @@ INDEXED = {"__getitem__", "index_select", "gather", "take_along_dim", "masked_fi
 
 @dataclass
 class Trace:
-    """What the forwards showed. Labels are "layer:", "norm:", "param:", "scale:", "entry:" + a name."""
+    """What the forwards showed, by `labels.Label` (what a value is made of) and `labels.User` (who read it)."""
 
     calls: dict[str, list[NormInput]] = field(default_factory=lambda: defaultdict(list))   # norm -> calls
     readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))       # norm -> layers
-    reads: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))           # layer -> inputs
-    uses: dict[str, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
-    fed_norms: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))       # label -> norms
-    scales: dict[str, list[Flow]] = field(default_factory=lambda: defaultdict(list))       # scale -> inputs
-    widths: dict[str, int] = field(default_factory=dict)                                   # label -> width
+    reads: dict[str, set] = field(default_factory=lambda: defaultdict(set))   # layer -> its norm labels, OTHER
+    uses: dict[Label, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
+    fed_norms: dict[Label, set[str]] = field(default_factory=lambda: defaultdict(set))     # label -> norms
+    scales: dict[Label, list[Flow]] = field(default_factory=lambda: defaultdict(list))     # scale -> inputs
+    widths: dict[Label, int] = field(default_factory=dict)                                 # label -> width
     ran: set[str] = field(default_factory=set)                                             # parameters
     called: set[str] = field(default_factory=set)                                          # hooked leaves
-    poison: dict[str, str] = field(default_factory=dict)     # user -> the opaque value it mixed the stream with
+    poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
 
 
-def tensors_in(obj) -> list[torch.Tensor]:
-    """The tensors in obj, a tensor or a (nested) list, tuple or dict of them."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in tensors_in(o)]
-    return []
-
-
-def named_outputs(obj, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
-    """(dotted name, tensor) for every tensor a forward returned: `encoder_last_hidden_state`,
-    `vision_model_output.last_hidden_state`, `hidden_states.2`... (caches are left out)."""
-    if isinstance(obj, torch.Tensor):
-        return [(prefix.rstrip("."), obj)]
-    if isinstance(obj, dict):
-        return [t for k, v in obj.items() for t in named_outputs(v, f"{prefix}{k}.")]
-    if isinstance(obj, (list, tuple)):
-        return [t for i, v in enumerate(obj) for t in named_outputs(v, f"{prefix}{i}.")]
-    return []
+OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output
 
 
 class Recorder(TorchFunctionMode):
@@ -72,13 +53,14 @@ class Recorder(TorchFunctionMode):
         self.trace = Trace()
         self.flows: dict[int, tuple[torch.Tensor, Flow]] = {}
         self.params = {id(p): n for n, p in model.named_parameters()}
+        self.labels = {i: Label("param", n) for i, n in self.params.items()}
         self.by_name = dict(model.named_parameters())
         self.owner = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
         self.norms = norms
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
-        self.pending: dict[int, tuple[torch.Tensor, Flow, str]] = {}   # slices not read yet
-        self.deferred: list[tuple[str, Flow]] = []                       # uses of rearranged tensors
+        self.pending: dict[int, tuple[torch.Tensor, Flow, User]] = {}   # slices not read yet
+        self.deferred: list[tuple[User, Flow]] = []                       # uses of rearranged tensors
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
@@ -88,16 +70,20 @@ class Recorder(TorchFunctionMode):
         if held is not None and held[0] is x:
             return held[1]
         if id(x) in self.params:
-            return Flow(frozenset({"param:" + self.params[id(x)]}))
+            return Flow(frozenset({self.labels[id(x)]}))
         return None
 
     def set(self, x: torch.Tensor, flow: Flow) -> None:
         self.flows[id(x)] = (x, flow)
 
-    def where(self) -> str:
-        return f" in {self.stack[-1]}" if self.stack and self.stack[-1] else ""
+    def here(self) -> str:
+        """The module running now ("" outside any)."""
+        return self.stack[-1] if self.stack else ""
 
-    def use(self, x: torch.Tensor | None, flow: Flow, user: str) -> None:
+    def where(self) -> str:
+        return f" in {self.here()}" if self.here() else ""
+
+    def use(self, x: torch.Tensor | None, flow: Flow, user: User) -> None:
         """`user` reads the values of x (flow `flow`): record which labels, all channels; for a rearranged
         tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
         if not flow.pure or flow.zero:
@@ -164,7 +150,7 @@ class Recorder(TorchFunctionMode):
             return
         flows = self.rule(func, name, args, kwargs, tracked, outs, ins)
         if isinstance(flows, (str, Flow)):   # opaque: the pure inputs are used here
-            user = f"operation '{name}'{self.where()}"
+            user = User("operation", name, where=self.here())
             if isinstance(flows, Flow):   # mixed with an opaque value: that value is the cause
                 self.trace.poison[user] = flows.opaque
             for x, f in tracked:
@@ -225,8 +211,8 @@ class Recorder(TorchFunctionMode):
             for (_, f), (p, g) in (pure, pure[::-1]):
                 if name.startswith(("mul", "__mul", "__rmul", "__imul")) and \
                         rules.channel_scale(p, g, out, f.hd if f.codes is None else None) and \
-                        all(label.startswith("layer:") for label in f.labels):
-                    label = "scale:" + next(iter(g.labels))[6:]
+                        all(label.kind == "layer" for label in f.labels):
+                    label = next(iter(g.labels)).of("scale")
                     self.trace.scales[label].append(f)
                     return Flow(frozenset({label}), hd=f.hd, plain=False)
         return rules.scaled(name, args, pure, others, out)
@@ -234,7 +220,7 @@ class Recorder(TorchFunctionMode):
     def _weights(self, name: str, args, kwargs) -> Flow | None:
         """A product of computed values and a parameter (F.linear, matmul, bmm, grouped_mm: experts' stacked
         weights, by hand): the output's channels are one dim of the parameter, which is centred along it
-        ("param:<name>#<dim>", the last dim when no # is given). None: not such a product."""
+        (a "param" label with that axis, none for the last dim). None: not such a product."""
         a = args[0] if args else kwargs.get("input")
         b = args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("mat2", kwargs.get("other")))
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -258,13 +244,13 @@ class Recorder(TorchFunctionMode):
             flow = Flow(flow.labels | bflow.labels, hd=-1, plain=False)
         return flow
 
-    def _param_dim(self, w: torch.Tensor, flow: Flow | None, j: int) -> str | None:
+    def _param_dim(self, w: torch.Tensor, flow: Flow | None, j: int) -> Label | None:
         """The label of the parameter whose dim shows as w's dim j (a view: by strides; a copy indexed on
         leading dims: its trailing dims)."""
         if flow is None or not flow.pure or flow.codes is not None or len(flow.labels) != 1 or w.dim() < 2:
             return None
         label = next(iter(flow.labels))
-        p = self.by_name.get(label[6:]) if label.startswith("param:") else None
+        p = self.by_name.get(label.name) if label.kind == "param" else None
         if p is None or p.dim() < 2:
             return None
         j %= w.dim()
@@ -277,30 +263,30 @@ class Recorder(TorchFunctionMode):
             k = j - w.dim()
         else:
             return None
-        return label if k == -1 else f"{label}#{k}"
+        return label if k == -1 else Label("param", label.name, k)
 
     def _mha(self, args, kwargs, tracked, outs) -> None:
         """F.multi_head_attention_forward: the attention output is its out_proj's output (a Linear); the
         query, key and value are read (used)."""
         for x, f in tracked:
-            self.use(x, f, f"nn.MultiheadAttention{self.where()}")
+            self.use(x, f, User("attention", where=self.here()))
         weight = kwargs.get("out_proj_weight", args[11] if len(args) > 11 else None)
         if id(weight) in self.params:
-            layer = self.owner[id(weight)]
-            self.set(outs[0], Flow(frozenset({"layer:" + layer}), hd=-1))
-            self.trace.widths["layer:" + layer] = outs[0].shape[-1]
+            layer = Label("layer", self.owner[id(weight)])
+            self.set(outs[0], Flow(frozenset({layer}), hd=-1))
+            self.trace.widths[layer] = outs[0].shape[-1]
         for o in outs[1:]:
             self.set(o, opaque(frozenset(), "attention weights"))
 
     def entry(self, name: str, args, kwargs) -> None:
         """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
-        "entry:<block>", centred by a pre-hook on the block if a norm reads it."""
+        an "entry" label, centred by a pre-hook on the block if a norm reads it."""
         self.stack.append(name)
         x = next(iter(tensors_in((args, kwargs))), None)
         flow = None if x is None else self.get(x)
         if self.inside is None and flow is not None and flow.opaque and x.dim() > 1:
-            self.set(x, Flow(frozenset({"entry:" + name})))
-            self.trace.widths["entry:" + name] = x.shape[-1]
+            self.set(x, Flow(frozenset({Label("entry", name)})))
+            self.trace.widths[Label("entry", name)] = x.shape[-1]
 
     def leave(self) -> None:
         if self.stack:
@@ -323,7 +309,7 @@ class Recorder(TorchFunctionMode):
             self._norm_input(name, x, flow)
         elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \
                 and flow.codes is None and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
-            self.trace.scales["layer:" + name].append(flow)   # foldable into the layer before: not a use
+            self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
             self.inside = name
             return
         else:
@@ -332,17 +318,19 @@ class Recorder(TorchFunctionMode):
 
     def _leaf_reads(self, name: str, module: nn.Module, x, flow: Flow | None) -> None:
         single = flow is not None and flow.pure and flow.codes is None and len(flow.labels) == 1
-        norm = next(iter(flow.labels))[5:] if single and next(iter(flow.labels)).startswith("norm:") else None
-        if norm is not None and flow.plain and flow.hd == -1 and x.shape[-1] == in_width(module):
-            if name not in self.trace.readers[norm]:
-                self.trace.readers[norm].append(name)
-            self.trace.reads[name].add("norm:" + norm)
+        norm = next(iter(flow.labels)) if single else None
+        if norm is not None and norm.kind == "norm" and flow.plain and flow.hd == -1 and \
+                x.shape[-1] == in_width(module):
+            if name not in self.trace.readers[norm.name]:
+                self.trace.readers[norm.name].append(name)
+            self.trace.reads[name].add(norm)
             return
-        self.trace.reads[name].add("other")
+        self.trace.reads[name].add(OTHER)
+        user = User("module", name, type(module).__name__)
         if flow is not None and flow.pure and flow.codes is not None:
-            self.pending[id(x)] = (x, flow, f"{name} ({type(module).__name__})")
+            self.pending[id(x)] = (x, flow, user)
         elif flow is not None:
-            self.use(x, flow, f"{name} ({type(module).__name__})")
+            self.use(x, flow, user)
 
     def _norm_input(self, name: str, x, flow: Flow | None) -> None:
         if flow is None:
@@ -372,14 +360,14 @@ class Recorder(TorchFunctionMode):
         first = next(iter(tensors_in(out)), None)
         if first is not None and first.dim():
             conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-            label = ("norm:" if name in self.norms else "layer:") + name
+            label = Label("norm" if name in self.norms else "layer", name)
             self.set(first, Flow(frozenset({label}), hd=1 - first.dim() if conv else -1))
             self.trace.widths[label] = first.shape[1 if conv else -1]
 
     def outputs(self, out) -> None:
-        """Every floating tensor returned is read by "the model output" (the main one) or "the model output
-        `<name>`" (see `plan`: what it means for a norm's bias and for the centred stream)."""
-        named = named_outputs(out)
+        """Every floating tensor returned is read by the model output, the main one or one by name (see `plan`:
+        what it means for a norm's bias and for the centred stream)."""
+        named = list(tensors(out))   # `encoder_last_hidden_state`, `hidden_states.2`... (caches left out)
         try:
             main = out if isinstance(out, torch.Tensor) else main_output(out)[1]
         except (KeyError, IndexError, TypeError):   # an output parity does not know: its first tensor
@@ -391,4 +379,4 @@ class Recorder(TorchFunctionMode):
             flow = self.get(t)
             if flow is None or not flow.pure or flow.zero:
                 continue
-            self.use(t, flow, "the model output" if t is main else f"the model output '{name}'")
+            self.use(t, flow, User("output", "" if t is main else name))

@@ -91,7 +91,7 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
                 lam = scale_parameter(model, step.target)
                 hooks.setdefault(step.norm, []).append(_scale_hook(lam.detach().clone()))
                 swaps.put(lam, torch.ones_like(lam))
-            elif step.op == "centre" and (step.target.startswith("param:") or step.target in uncalled):
+            elif step.op == "centre" and (step.param is not None or step.target in uncalled):
                 _centre_by_value(model, step, swaps)
             elif step.op == "centre":
                 hooks.setdefault(step.target, []).append(_centre_hook(step))
@@ -114,8 +114,8 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
 
 
 def _centre_by_value(model: nn.Module, step: Step, swaps: _Swaps) -> None:
-    if step.target.startswith("param:"):
-        param = model.get_parameter(step.target[6:])
+    if step.param is not None:
+        param = model.get_parameter(step.param)
         swaps.put(param, centred_copy(param, param.dim() + step.axis, step.group, step.ranges))
         return
     layer = model.get_submodule(step.target)

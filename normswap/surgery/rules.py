@@ -210,7 +210,7 @@ def channel_scale(factor: torch.Tensor, fflow: Flow | None, out: torch.Tensor, h
         return False
     label = next(iter(fflow.labels))
     shape = [1] * (out.dim() - factor.dim()) + list(factor.shape)
-    return label.startswith("param:") and fflow.hd is not None and fflow.hd == hd and \
+    return label.kind == "param" and fflow.hd is not None and fflow.hd == hd and \
         shape[hd] == out.shape[hd] and all(s == 1 for i, s in enumerate(shape) if i != out.dim() + hd)
 
 

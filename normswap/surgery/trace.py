@@ -1,7 +1,7 @@
 """Record a model's dataflow over forward passes on sample inputs: what each norm reads, who reads each
 layer's output, which parameters ran.
 
-Every followed (floating) tensor has a `flow.Flow`: the labels it is a linear combination of ("layer:<name>"
+Every followed (floating) tensor has a `flow.Flow`: the labels (`labels.Label`) it combines ("layer:<name>"
 for a known layer's output, "norm:<name>" for a norm's output, "param:<name>" for a parameter used directly,
 "scale:<param>" for a layer output scaled by a per-channel parameter, "entry:<block>" for an opaque value
 entering a block) and where their channels are; `rules` says which operations keep it pure. The first
@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_linear, is_scale
-from normswap.parity import batch_rows
+from normswap.parity import by_rows, tensors_in
 from normswap.surgery.flow import NormInput
-from normswap.surgery.record import IGNORE, Recorder, Trace, tensors_in
+from normswap.surgery.labels import Label
+from normswap.surgery.record import IGNORE, Recorder, Trace
 
 __all__ = ["IGNORE", "Trace", "hooked", "tensors_in", "trace"]
 
@@ -63,15 +64,8 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
     rec = active[0]
     try:
         model.eval()
-        for x in inputs:
-            try:
-                _forward(rec, model, x)
-            except Exception:   # a head that takes one row at a time (GPT-2 classifier, no pad token)
-                rows = batch_rows(x)
-                if rows is None:
-                    raise
-                for row in rows:
-                    _forward(rec, model, row)
+        for x in inputs:   # a head that takes one row at a time (GPT-2 classifier, no pad token): by rows
+            by_rows(lambda batch: _forward(rec, model, batch), x)
         rec.finish()
         unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
         if inputs and unrun:
@@ -93,11 +87,10 @@ def adopt(t: Trace, seen: Trace, unrun: set[str]) -> None:
     Nothing else from `seen` is taken: a training-only operation does not make an exact eval model inexact."""
     new = seen.ran & unrun
 
-    def params(label: str) -> set[str]:
-        kind, _, name = label.partition(":")
-        if kind == "param":
-            return {name.partition("#")[0]}
-        return {p for p in seen.ran if p.rpartition(".")[0] == name} if kind == "layer" else set()
+    def params(label: Label) -> set[str]:
+        if label.kind == "param":
+            return {label.name}
+        return {p for p in seen.ran if p.rpartition(".")[0] == label.name} if label.kind == "layer" else set()
     labels = {lb for lb in {*seen.uses, *(x for calls in seen.calls.values() for c in calls for x in c.sources)}
               if params(lb) and params(lb) <= new}
     unclear = set()   # labels part of a norm input training made opaque: their role stays unknown

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 import normswap
-import normswap.pipeline
+import normswap.pipeline.convert
 from normswap.cli import main
 
 from helpers import CACHE
@@ -134,7 +134,7 @@ def test_real_process_prints_one_line_no_traceback(tmp_path):
 def test_failed_onnx_export_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
     def failing_export(*a, **k):
         raise normswap.NormswapError("ORT parity 1e-2 above tolerance")
-    monkeypatch.setattr(normswap.pipeline, "export_onnx", failing_export)
+    monkeypatch.setattr(normswap.pipeline.convert, "export_onnx", failing_export)
     result = run("convert", gpt2_dir, "--to", "rmsnorm", "-o", tmp_path / "out", "--onnx", tmp_path / "m.onnx")
     assert result.exit_code == 1 and "error: ORT parity 1e-2 above tolerance" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ from normswap.cli import main
 from normswap.models.demo import HELDOUT_FILE, heldout_text
 from normswap.errors import NormswapError
 from normswap.evaluation import evaluate
-from normswap.healing.loop import heal, norm_parameters
+from normswap.healing import heal, norm_parameters
 from normswap.models.rebuild import from_pretrained
 from normswap.models.source import read_config
 

@@ -16,7 +16,7 @@ from helpers.heal_models import save_pair, text, tokenizer
 
 import normswap
 from normswap.models.rebuild import from_pretrained
-from normswap.models.portable import raw_header
+from normswap.io.portable import raw_header
 
 ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable))
 FSDP_CONFIG = Path(__file__).parents[2] / "examples" / "accelerate_fsdp.yaml"

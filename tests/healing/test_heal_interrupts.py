@@ -75,7 +75,7 @@ def test_cli_ctrl_c_during_final_save_is_one_line_and_130(saved, tmp_path, ctrl_
     assert (tmp_path / "h.partial" / "config.json").exists() and not (tmp_path / "h").exists()
 
 
-@pytest.mark.parametrize("where", ["normswap.cli.heal.load_model", "normswap.cli.heal.read_texts",
+@pytest.mark.parametrize("where", ["normswap.pipeline.evaluate.load_model", "normswap.pipeline.heal.read_texts",
                                    "accelerate.Accelerator.__init__"])
 def test_cli_ctrl_c_during_start_up_is_one_line_and_130(saved, tmp_path, monkeypatch, where):
     def boom(*a, **k):

@@ -13,7 +13,7 @@ import normswap
 import normswap.models.load
 import normswap.models.save
 from normswap.models.demo import DEMO_DIR
-from normswap.models import portable as template
+from normswap.io import portable as template
 from normswap.models.hub import MODELING_FILE
 
 from helpers.exact_models import build

@@ -6,7 +6,7 @@ import safetensors.torch
 import torch
 
 import normswap
-import normswap.checkpoint.safetensors
+import normswap.io.safetensors
 from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
 
@@ -87,7 +87,7 @@ def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):
 
     def broken(*a, **k):
         raise OSError("disk full")
-    monkeypatch.setattr(normswap.checkpoint.safetensors, "save_model", broken)
+    monkeypatch.setattr(normswap.io.safetensors, "save_model", broken)
     with pytest.raises(OSError, match="disk full"):
         normswap.save_pretrained(model, out, overwrite="any")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

@@ -16,7 +16,8 @@ import safetensors.torch
 import torch
 
 import normswap
-from normswap.models import hub, portable
+from normswap.io import portable
+from normswap.models import hub
 from normswap.models.inputs import sample_inputs
 from normswap.parity import main_output
 

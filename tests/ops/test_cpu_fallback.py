@@ -17,7 +17,7 @@ def fresh(monkeypatch, tmp_path):
     monkeypatch.setenv("NORMSWAP_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "build_key", lambda flags: "test")  # not the module this process loaded
     cpu.extension.cache_clear()
-    monkeypatch.setattr(ops, "_eager", [object(), None])
+    monkeypatch.setattr(ops, "_eager_module", ops._eager_module.__wrapped__)
     yield tmp_path
     cpu.extension.cache_clear()
 

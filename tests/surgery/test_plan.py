@@ -442,7 +442,7 @@ def test_a_writer_only_training_runs_is_traced_in_training_mode(noisy, feed):
 def test_streaming_refuses_an_untraced_writer_too(monkeypatch, tmp_path):
     """The streamed conversion plans on a lazy model whose loader touches every parameter of a module it
     enters: only a read of its values counts as running (DINOv2's mask token, without bool_masked_pos)."""
-    from normswap.checkpoint import stream
+    from normswap.pipeline import stream
     cfg = tf.Dinov2Config(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
                           patch_size=8)
     _fresh(lambda: tf.Dinov2Model(cfg)).save_pretrained(tmp_path / "src")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
 from normswap.models.inputs import audio, media, series, text, vision
 from normswap.models.inputs.context import DECODER, Ctx, nested_configs
 from normswap.models.inputs.runs import run, run_either, runs_on_meta
@@ -32,7 +32,7 @@ def sample_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 0
     except NormswapError:
         raise
     except Exception as e:   # a config this code misreads: say so in one line, not a traceback
-        raise ctx.refuse(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise ctx.refuse(f"{type(e).__name__}: {first_line(e, strip=True)}") from None
     return [{k: v.to(ctx.device) if isinstance(v, torch.Tensor) else v for k, v in x.items()} for x in batches]
 
 

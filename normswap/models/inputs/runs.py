@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from normswap.errors import first_line
 from normswap.models.inputs.context import Ctx
 
 
@@ -40,6 +41,6 @@ def run(model: nn.Module, x: dict) -> str:
         model(**x)
         return ""
     except Exception as e:
-        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return first_line(e, type(e).__name__, strip=True)
     finally:
         model.train(training)

@@ -3,9 +3,10 @@
 1. The model is built on the meta device (buffers real); only 1-D tensors (norm gains/biases, layer
    biases: O(layers x width)) are read, so `find_norms`, the exact plan and `convert` itself run as in
    memory: the norms are swapped, biases created, output fixes and config.normswap recorded, and the
-   exact method records which layer gets which edit instead of doing it (`Deferred`).
+   exact method's interpreter records which layer gets which edit instead of doing it (`Deferred`,
+   `surgery.interpret.Recorder`).
 2. The output is written tensor by tensor in state_dict order (`safetensors.write`): an edited layer's
-   weights are read, edited by the in-memory algebra (`surgery.algebra`), written and put back on meta;
+   weights are read, edited as in memory (its recorded edits replayed), written and put back on meta;
    other tensors are copied through. Peak: a few of the largest tensors.
 3. Verification runs the original folder and the written one on the sample inputs through lazy models:
    each module's tensors are mapped from the file (copy-on-write) just before its forward and dropped
@@ -24,25 +25,23 @@ from torch import nn
 from transformers import GenerationConfig
 
 from normswap import progress
-from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, skeleton
 from normswap.errors import NormswapError, reraised
+from normswap.io import portable, safetensors
 from normswap.models.inputs import sample_inputs
 from normswap.models.load import load_tokenizer
-from normswap.models import portable
 from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, dtype_name, read_config
 from normswap.norms import build_norm
 from normswap.parity import Parity, compare, refuse_nonfinite
-from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
-from normswap.surgery.exact import PARTIAL_WARNING, bias_fates, install_fixes, judge, output_fix
-from normswap.surgery.methods import MethodResult
+from normswap.surgery.interpret import ExactResult, Recorder, interpret
 from normswap.surgery.plan import Plan
 from normswap.surgery.report import ConversionReport
+from normswap.surgery.verification import enforced, judge
 
 
 def streamable(src: str) -> bool:
@@ -51,17 +50,6 @@ def streamable(src: str) -> bool:
     if not (path.is_dir() and (path / "config.json").exists() and safetensors.has_weights(path)):
         return False
     return not read_config(path).get("normswap")
-
-
-class DeferredResult(MethodResult):
-    """What the exact method would do, recorded per layer (`edits`) for the streaming pass."""
-
-    def __init__(self, edits: dict[str, list], fixes: dict, inputs: list[str], **kw):
-        super().__init__("exact", **kw)
-        self.edits, self.fixes, self.inputs = edits, fixes, inputs
-
-    def after_swap(self, model: nn.Module, report) -> None:
-        install_fixes(model, self.fixes, self.inputs)
 
 
 class Deferred:
@@ -81,38 +69,14 @@ class Deferred:
                 h.remove()
             self.lazy.free_all()
 
-    @torch.no_grad()
-    def apply(self, model: nn.Module, sites, p: Plan) -> DeferredResult:
-        """`exact.convert_exact`'s steps, recorded per module instead of applied (same order, so the same
-        bits). Norm biases and LayerScale parameters are 1-D, hence already real on the meta model."""
-        edits: dict[str, list] = {}
-        fixes: dict = {}
-        added: list[str] = []
-        inputs: list[str] = []
-        for step in p.steps:
-            if step.op == "centre":
-                owner = step.target[6:].rpartition(".")[0] if step.target.startswith("param:") else step.target
-                edits.setdefault(owner, []).append(("centre", step))
-            elif step.op == "fold":
-                b = model.get_submodule(step.norm).bias.detach().double()
-                layer = model.get_submodule(step.target)
-                _, created = portable.ensure_bias(layer)  # on meta: the pass below fills it
-                if created:
-                    added.append(step.target)
-                    self.lazy.new.add(f"{step.target}.bias")
-                edits.setdefault(step.target, []).append(("fold", b))
-            elif step.op == "scale":   # LayerScale (target) folded into the layer before it (norm)
-                lam = scale_parameter(model, step.target)
-                edits.setdefault(step.norm, []).append(("scale", lam.detach().clone()))
-                lam.fill_(1.0)
-            elif step.norm == "input":
-                inputs.append(step.target)
-            else:
-                fixes[step.target] = output_fix(model, step)
-        return DeferredResult(edits, fixes, inputs, bias=bias_fates(p), added_biases=added)
+    def apply(self, model: nn.Module, sites, p: Plan) -> ExactResult:
+        """The plan's steps, recorded per layer for the writer (`surgery.interpret`); verified once written."""
+        result = interpret(model, p, Recorder())
+        self.lazy.new.update(f"{name}.bias" for name in result.added_biases)   # created on meta: not in SRC
+        return result
 
 
-def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list]):
+def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: Recorder):
     """Yield the converted model's tensors in `specs` order; edited layers are read, edited, dropped."""
     left: dict[str, int] = {}
     for key, _, _ in specs:
@@ -123,16 +87,9 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: dict[str, list])
         for key, dtype, _ in specs:
             owner, _, attr = key.rpartition(".")
             module = model.get_submodule(owner)
-            if owner in edits and edits[owner] is not None:
+            if owner in edits:   # exact's edits: fp64 slices of at most 64 MB, so a vocabulary fits too
                 lazy.load(model, owner)
-                for op, arg in edits[owner]:
-                    if op == "fold":
-                        fold_bias(module, arg)
-                    elif op == "scale":
-                        scale_outputs(module, arg)
-                    else:   # exact's own step: fp64 slices of at most 64 MB, so a vocabulary fits too
-                        centre_outputs(model, arg.target, arg.group, arg.ranges, arg.axis)
-                edits[owner] = None  # done: never edit twice
+                edits.replay(model, owner)
             t = getattr(module, attr)
             if t.is_meta:
                 t = lazy.read(key, dtype)
@@ -194,7 +151,7 @@ class _Verification:
         self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip)
         refuse_nonfinite(self.parity)
         if self.report.method == "exact":
-            self.report.verification = judge(self.parity, self.dtype, enforce=self.report.to == "rmsnorm")
+            self.report.verification = judge(self.parity, self.dtype, enforce=enforced(self.report))
 
 
 def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
@@ -216,7 +173,7 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
     if not report.converted:
         return report, None
-    edits = result.edits if isinstance(result, DeferredResult) else {}
+    edits = result.edits if isinstance(result, ExactResult) else Recorder()
     specs = safetensors.saved_specs(model)
     stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
     verification = _Verification(src, report, stored, show_progress, result.unverified)
@@ -226,6 +183,4 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
         save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,
                         max_shard_size=max_shard_size, check=verification,
                         tensors=_edited_tensors(model, lazy, specs, edits))
-    if to == "prmsnorm" and report.method == "exact":
-        report.warnings.append(PARTIAL_WARNING)
     return report, verification.parity

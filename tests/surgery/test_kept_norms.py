@@ -10,7 +10,7 @@ import transformers as tf
 from helpers.exact_models import perturb
 
 import normswap
-from normswap.checkpoint import stream
+from normswap.pipeline import stream
 from normswap.errors import NormswapError
 from normswap.parity import compare
 

@@ -13,64 +13,30 @@ from pathlib import Path
 
 import torch
 
-from normswap.atomic import check_output, check_replaceable
-from normswap.checkpoint import safetensors
 from normswap.checkpoint.lazy import NotStreamable
-from normswap.checkpoint.stream import convert_folder, streamable
 from normswap.errors import Interrupted, NormswapError
 from normswap.export.onnx import ExportReport, export_onnx
 from normswap.export.onnx import check_replaceable as check_onnx_replaceable
 from normswap.healing.loop import heal
 from normswap.healing.report import HealReport
 from normswap.healing.tracking import LOG_FILE
-from normswap.models.load import LoadOptions, load_model
+from normswap.io import safetensors
+from normswap.io.atomic import check_output, check_replaceable
+from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
 from normswap.models.source import check_code, read_config, resolve_source
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
+from normswap.pipeline.device import resolve_device
+from normswap.pipeline.options import ConvertOptions
+from normswap.pipeline.stream import convert_folder, streamable
 from normswap.surgery.convert import convert
+from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
-from normswap.surgery.exact import VerificationFailed, fell_back
 from normswap.surgery.report import ConversionReport
+from normswap.surgery.verification import VerificationFailed
 from normswap.textdata import read_texts
 
-
-def resolve_device(name: str | torch.device | None) -> torch.device:
-    """auto: CUDA when available, else CPU. cuda / cuda:N / cpu / mps are checked, not assumed."""
-    if isinstance(name, torch.device):
-        return name
-    name = (name or "auto").strip().lower()
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise NormswapError(f"unknown device '{name}': use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise NormswapError(f"`device` {name}: no CUDA device is available here")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise NormswapError(f"`device` {name}: only {torch.cuda.device_count()} CUDA device(s) here")
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise NormswapError(f"`device` {name}: MPS is not available here")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise NormswapError(f"unsupported device '{name}': use auto, cpu, cuda or cuda:N")
-    return device
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """Everything `convert_checkpoint` does besides naming SRC and OUT (`normswap convert`'s options)."""
-    to: str = "rmsnorm"                   # "rmsnorm" | "prmsnorm"
-    method: str = "auto"                  # "auto" | "exact" | "naive"
-    p: float | None = None                # pRMSNorm fraction (default 0.0625)
-    load: LoadOptions = LoadOptions()     # dtype, trust_remote_code, allow_missing_weights
-    device: str = "auto"                  # where the model is converted and compared
-    finetune_steps: int = 0               # then heal this many distillation steps on `data`
-    data: tuple[str, ...] = ()            # text files (or folders of .txt) to heal on
-    onnx: str | None = None               # then export to this ONNX file (target ort)
-    max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE
-    overwrite: bool | str = False         # True: replace OUT if normswap wrote it; "any": whatever it is
-    show_progress: bool = False           # progress bars on stderr
+DEFAULTS = ConvertOptions()   # frozen
 
 
 @dataclass
@@ -125,7 +91,36 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
                             "nothing was written")
 
 
-def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = ConvertOptions()) -> ConvertResult:
+def _streamed(src: str, out: str, o: ConvertOptions) -> ConvertResult:
+    """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
+    NotStreamable, before anything is written, where it converts only in memory."""
+    def stream(method: str) -> ConvertResult:
+        report, parity = convert_folder(src, out, o.to, method, o.p, o.load.dtype, o.overwrite,
+                                        o.max_shard_size, o.show_progress)
+        _refuse_broken(src, report)
+        return ConvertResult(report, parity, out if report.converted else None, streamed=True)
+    # a failed verification wrote nothing and left the source untouched: under auto, stream it again naively
+    return auto_or_naive(o.method, lambda: stream(o.method), lambda: stream("naive"),
+                         lambda result: result.report.warnings, VerificationFailed)
+
+
+def _load(src: str, o: ConvertOptions, device: torch.device) -> tuple:
+    model, tokenizer = load_model(src, **asdict(o.load))
+    model.to(device)
+    return model, tokenizer
+
+
+def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokenizer) -> tuple:
+    """(model, tokenizer, report): `model` converted in place; under auto, a failed verification (after the
+    edits) loads the source again and converts that naively."""
+    def naively() -> tuple:
+        fresh, tok = _load(src, o, device)
+        return fresh, tok, convert(fresh, to=o.to, method="naive", p=o.p)
+    return auto_or_naive(o.method, lambda: (model, tokenizer, convert(model, to=o.to, method=o.method, p=o.p)),
+                         naively, lambda converted: converted[2].warnings, VerificationFailed)
+
+
+def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFAULTS) -> ConvertResult:
     """Convert the model at `src` (folder, Hub id or "normswap-demo") and save it to `out`, verified.
 
     A local safetensors folder streams (bounded memory) unless healing, ONNX export, a GPU or missing weights
@@ -141,38 +136,16 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     notices: list[str] = []
     if not texts and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
             and streamable(src):
-        # a checkpoint folder: converted tensor by tensor, in bounded memory, verified before OUT appears
-        def stream(method: str) -> ConvertResult:
-            report, parity = convert_folder(src, out, o.to, method, o.p, o.load.dtype, o.overwrite,
-                                            o.max_shard_size, o.show_progress)
-            _refuse_broken(src, report)
-            return ConvertResult(report, parity, out if report.converted else None, streamed=True)
         try:
-            try:
-                return stream(o.method)
-            except VerificationFailed as e:   # nothing was written; the source is untouched
-                if o.method != "auto":
-                    raise
-                result = stream("naive")
-                result.report.warnings.append(fell_back(e))
-                return result
+            return _streamed(src, out, o)
         except NotStreamable as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
-    model, tokenizer = load_model(src, **asdict(o.load))
-    model.to(device)
+    model, tokenizer = _load(src, o, device)
     reference = reference_outputs(model)   # outputs before editing, not a copy of the model
     # Healing distils from the unconverted model while training the converted one: both must exist
     # at once, so this is the one copy, made only when healing.
     original = copy.deepcopy(model) if texts else None
-    try:
-        report = convert(model, to=o.to, method=o.method, p=o.p)
-    except VerificationFailed as e:   # the edits were made in place: start again from the source, naive
-        if o.method != "auto":
-            raise
-        model, tokenizer = load_model(src, **asdict(o.load))
-        model.to(device)
-        report = convert(model, to=o.to, method="naive", p=o.p)
-        report.warnings.append(fell_back(e))
+    model, tokenizer, report = _converted(src, o, device, model, tokenizer)
     result = ConvertResult(report, None, None, notices=notices)
     _refuse_broken(src, report)
     if not report.converted:
@@ -189,11 +162,16 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = Conv
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     if o.onnx:
         result.exported = export_onnx(model, o.onnx, overwrite=o.overwrite)
+    _save(model, out, tokenizer, result.healed, o)
+    result.output = out
+    return result
+
+
+def _save(model, out: str, tokenizer, healed: HealReport | None, o: ConvertOptions) -> None:
+    """OUT, with heal's log when healed; interrupted, the ONNX file already written is named."""
     try:
-        log = {LOG_FILE: json.dumps(result.healed.log(), indent=1)} if result.healed else None
+        log = {LOG_FILE: json.dumps(healed.log(), indent=1)} if healed else None
         save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size,
                         files=log)
     except KeyboardInterrupt as e:
         raise Interrupted.after(e, *([str(o.onnx)] if o.onnx else [])) from None
-    result.output = out
-    return result

@@ -23,7 +23,7 @@ KILLED = textwrap.dedent("""
     from pathlib import Path
     pkg = sys.modules["normswap"] = types.ModuleType("normswap")  # atomic.py alone: no torch import
     pkg.__path__ = [sys.argv[3]]
-    from normswap.atomic import atomic_dir
+    from normswap.io.atomic import atomic_dir
     out, when, real = Path(sys.argv[1]), sys.argv[2], os.rename
 
     def rename(a, b):   # killed outright right after moving the old OUT aside

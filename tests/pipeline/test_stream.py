@@ -14,7 +14,8 @@ from helpers.exact_models import FAMILIES, perturb
 from click.testing import CliRunner
 
 import normswap
-from normswap.checkpoint import safetensors as shards, stream
+from normswap.io import safetensors as shards
+from normswap.pipeline import stream
 from normswap.checkpoint.lazy import NotStreamable
 from normswap.errors import NormswapError
 from normswap.parity import compare
@@ -102,7 +103,7 @@ def test_cli_streams_folders_and_keeps_errors_one_line(tmp_path):
 
 CHILD = textwrap.dedent("""
     import resource, sys
-    from normswap.checkpoint import stream
+    from normswap.pipeline import stream
     warm, src, out = sys.argv[1:]
     stream.convert_folder(warm, out + "-warm", method="exact")  # imports and allocator warm-up, not counted
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -269,25 +270,6 @@ def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
     expected = compare(built, normswap.from_pretrained(tmp_path / "out"))
     assert parity.max_rel == pytest.approx(expected.max_rel, rel=1e-6)
     assert parity.max_rel <= 1e-5 if method == "exact" else parity.max_rel > 1e-2
-
-
-def test_inputs_only_a_trial_forward_settles_are_built_in_memory(tmp_path):
-    """Fuyu splices image patches into its text: how many tokens an image fills needs a forward with the
-    weights, so the folder converts in memory (saying so) instead of tracing a guessed path."""
-    import transformers as tf
-
-    from normswap.pipeline import ConvertOptions, convert_checkpoint
-    torch.manual_seed(0)
-    model = perturb(tf.FuyuForCausalLM(tf.FuyuConfig(
-        image_size=16, patch_size=8, num_channels=3, image_token_id=98,
-        text_config=dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64)))).eval()
-    model.save_pretrained(tmp_path / "src")
-    with pytest.raises(NotStreamable, match="trial forward"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "streamed")
-    result = convert_checkpoint(str(tmp_path / "src"), tmp_path / "out", ConvertOptions(method="exact"))
-    assert not result.streamed and any("trial forward" in n for n in result.notices)
-    assert result.report.method == "exact" and result.parity.max_rel <= 1e-5
 
 
 def test_a_decoder_that_cross_attends_streams_exactly(tmp_path):

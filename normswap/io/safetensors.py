@@ -23,8 +23,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError, reraised
-from normswap.models import portable
+from normswap.errors import NormswapError, first_line, reraised
+from normswap.io import portable
 
 WEIGHTS, INDEX = portable.WEIGHTS, portable.INDEX
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
@@ -164,7 +164,7 @@ def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     try:
         header = json.loads(raw.decode(), object_pairs_hook=_unique) if raw.startswith(b"{") else None
     except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, a duplicate name
-        raise bad(f"bad header ({str(e).splitlines()[0]})") from None
+        raise bad(f"bad header ({first_line(e)})") from None
     if not isinstance(header, dict):
         raise bad("its header is not a JSON object")
     data = os.path.getsize(file) - 8 - len(raw)

@@ -19,14 +19,13 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import sys
-import threading
 from pathlib import Path
 
-from normswap import owned
+from normswap import signals
 from normswap.errors import Interrupted, NormswapError
-from normswap.models.demo import DEMO_DIR, DEMO_NAME
+from normswap.io import owned
+from normswap.io.bundled import DEMO_DIR, DEMO_NAME
 
 try:
     import fcntl
@@ -188,29 +187,12 @@ def recover(out: Path, journal: list[tuple[str, str]]) -> None:
         _remove(old)
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold SIGINT/SIGTERM during the swap, then deliver the first one to the handlers restored."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {s: signal.signal(s, lambda n, f: got.append(n)) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        if got:
-            signal.raise_signal(got[0])
-
-
 def _swap(tmp: Path, out: Path, fd: int) -> None:
     """Rename `tmp` to `out` (the old `out` aside, then deleted); a signal held during the swap is delivered
     after it as `Interrupted` naming `out`, which is then complete."""
     old = None
     try:
-        with _signals_deferred():
+        with signals.deferred():   # SIGINT/SIGTERM held during the swap, then delivered
             if out.exists() or out.is_symlink():
                 old = out.parent / f".{_stem(out)}.old-{os.getpid()}"
                 if old.exists() or old.is_symlink():   # not ours (no journal listed it): never overwritten

@@ -161,7 +161,7 @@ WRITER = textwrap.dedent("""
     from pathlib import Path
     pkg = sys.modules["normswap"] = types.ModuleType("normswap")  # atomic.py alone: no torch import
     pkg.__path__ = [sys.argv[3]]
-    from normswap.atomic import atomic_dir
+    from normswap.io.atomic import atomic_dir
     out, go = Path(sys.argv[1]), Path(sys.argv[2])
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text('{"normswap": {"who": "first"}}')
@@ -204,7 +204,7 @@ def test_sigterm_cleans_up_and_says_what_was_written(gpt2_dir, tmp_path, convert
         own_output(out, converted)
         (out / "config.json").write_text((out / "config.json").read_text().replace("{", '{"old": 1,', 1))
     if where == "writing":
-        from normswap.checkpoint import safetensors as shards
+        from normswap.io import safetensors as shards
         monkeypatch.setattr(shards, "save_model", _term_then(shards.save_model))
     else:  # between the renames: held until OUT is whole, then delivered
         monkeypatch.setattr(os, "rename", _term_then(os.rename))

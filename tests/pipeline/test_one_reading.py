@@ -14,9 +14,9 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap import pipeline
-from normswap.checkpoint import stream
-from normswap.checkpoint.safetensors import INDEX, WEIGHTS
+from normswap.pipeline import convert as pipeline
+from normswap.pipeline import stream
+from normswap.io.safetensors import INDEX, WEIGHTS
 from normswap.errors import NormswapError
 from normswap.models.source import auto_class
 from normswap.parity import compare

@@ -10,7 +10,7 @@ import transformers
 from helpers.tiny import tiny_model
 
 import normswap
-from normswap.checkpoint import safetensors as shards
+from normswap.io import safetensors as shards
 from normswap.errors import NormswapError
 
 

@@ -1,0 +1,37 @@
+"""`export_checkpoint`: what `normswap export` runs, for Python callers too: load SRC as stored, export it to
+ONNX (a deployment folder OUT, or the single file `options.onnx`) and validate it in onnxruntime."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from normswap.errors import NormswapError
+from normswap.export.folder import export_folder
+from normswap.export.onnx import ExportReport, check_args, export_onnx
+from normswap.io.atomic import check_output, check_replaceable
+from normswap.models.load import load_model
+from normswap.pipeline.device import resolve_device
+from normswap.pipeline.options import ExportOptions
+
+
+def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOptions | None = None) -> ExportReport:
+    """Export the model at `src` (folder, Hub id or "normswap-demo"; converted or not) into the folder `out`
+    (model.onnx, config, tokenizer, generation config) or, with `out` None, into the file `options.onnx`.
+
+    `options.device` is where PyTorch traces and computes the reference; onnxruntime validates on its CPU.
+    """
+    o = options if options is not None else ExportOptions()
+    if (out is None) == (o.onnx is None):
+        raise NormswapError("give exactly one of `out` (a deployment folder) and `onnx` (a single file)")
+    device = resolve_device(o.device)
+    check_args(o.target, o.opset)  # fail before the (slow) load
+    check_output(out or o.onnx, [("`src`", src)])
+    if out is not None:
+        check_replaceable(out, o.overwrite)
+    model, tokenizer = load_model(src, options=o.load)
+    model.to(device)
+    fp16 = o.dtype == "fp16"
+    if out is not None:
+        return export_folder(model, out, tokenizer=tokenizer, target=o.target, fp16=fp16, with_past=o.with_past,
+                             opset=o.opset, overwrite=o.overwrite)
+    return export_onnx(model, o.onnx, target=o.target, fp16=fp16, with_past=bool(o.with_past), opset=o.opset,
+                       overwrite=o.overwrite)

@@ -1,0 +1,119 @@
+"""The workflows' typed, frozen options: one dataclass per verb, taken by its workflow function.
+
+Each field's metadata says how the command line sets it (flag, help, choices, bounds...): the CLI generates its
+click options, and the flag names its errors show, from these fields (`normswap.cli.flags` lists the keys).
+A nested options object (`load`, `heal`) brings its own fields' flags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from normswap.healing.options import HealOptions
+from normswap.io import safetensors
+from normswap.models.load import LoadOptions
+from normswap.surgery.convert import METHODS
+
+DEVICE = dict(flag="--device", show_default=True, help="auto (CUDA when available), cpu, cuda, cuda:N.")
+OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote it (or it is empty).",
+                 also={"any": ("--overwrite-any",
+                               "Replace the output even if normswap did not write it (its files are deleted).")})
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Everything `convert_checkpoint` does besides naming SRC and OUT (`normswap convert`'s options)."""
+    to: str = field(default="rmsnorm", metadata=dict(   # "rmsnorm" | "prmsnorm"
+        flag="--to", choices=("rmsnorm", "prmsnorm"), required=True))
+    method: str = field(default="auto", metadata=dict(   # "auto" | "exact" | "naive"
+        flag="--method", choices=tuple(sorted(METHODS)), show_default=True))
+    p: float | None = field(default=None, metadata=dict(   # pRMSNorm fraction (default 0.0625)
+        flag="--p", type=float, help="pRMSNorm fraction of features (default 0.0625)."))
+    load: LoadOptions = LoadOptions()     # dtype, trust_remote_code, allow_missing_weights
+    device: str = field(default="auto", metadata=DEVICE)   # where the model is converted and compared
+    finetune_steps: int = field(default=0, metadata=dict(   # then heal this many distillation steps on `data`
+        flag="--finetune-steps", type=int, min=0,
+        help="Then heal: N distillation steps from the original on --data."))
+    data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
+        flag="--data", multiple=True, type="path", help="Text file(s) for --finetune-steps."))
+    onnx: str | None = field(default=None, metadata=dict(   # then export to this ONNX file (target ort)
+        flag="--onnx", type="path", help="Then export to this ONNX file (target ort)."))
+    max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
+        flag="--max-shard-size", default="50GB", show_default=True,
+        help="Split the weights into shards of at most this size (e.g. 5GB) with an index."))
+    # True: replace OUT if normswap wrote it; "any": whatever it is
+    overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+    show_progress: bool = False           # progress bars on stderr
+
+
+@dataclass(frozen=True)
+class HealCheckpointOptions:
+    """Everything `heal_checkpoint` does besides naming SRC and OUT (`normswap heal`'s options)."""
+    teacher: str | None = field(default=None, metadata=dict(   # the original model (needed by objective kd)
+        flag="--teacher", help="The original model (folder, Hub id, normswap-demo)."))
+    data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
+        flag="--data", multiple=True, type="path", help="Text file or folder of .txt (repeatable).",
+        aliases={"texts": "--data FILE"}))
+    heal: HealOptions = HealOptions()     # steps, lr, train, objective, LoRA, held-out evaluation, trackers
+    fsdp: bool | None = field(default=None, metadata=dict(   # shard the student (None: as the launch asks)
+        flag="--fsdp", is_flag=True,
+        help="Shard the model over the processes (FSDP2); implied by an FSDP accelerate config."))
+    plot: str | None = field(default=None, metadata=dict(   # then draw the curves into this PNG
+        flag="--plot", type="path", metavar="PNG",
+        help="Draw the training and held-out curves into this PNG (needs matplotlib)."))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)
+    overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+    show_progress: bool = False
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    """Everything `evaluate_checkpoint` does besides naming SRC (`normswap eval`'s options)."""
+    data: tuple[str, ...] = field(default=(), metadata=dict(   # text files to score; () the bundled held-out text
+        flag="--data", multiple=True, type="path", aliases={"texts": "--data FILE"},
+        help="Text file(s) to score (default: the held-out Austen chapters shipped with normswap)."))
+    reference: str | None = field(default=None, metadata=dict(   # the original model, compared with
+        flag="--reference", error="--reference ORIG",
+        help="Original model: adds KL and top-1 agreement (encoders: embedding cosine)."))
+    seq_len: int | None = field(default=None, metadata=dict(
+        flag="--seq-len", type=int, min=2, help="Window (default: model context)."))
+    stride: int | None = field(default=None, metadata=dict(
+        flag="--stride", type=int, min=1, help="Default: seq-len // 2."))
+    batch_size: int = field(default=8, metadata=dict(flag="--batch-size", type=int, min=1, show_default=True))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)
+    show_progress: bool = False
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything `export_checkpoint` does besides naming SRC and OUT (`normswap export`'s options)."""
+    onnx: str | None = field(default=None, metadata=dict(   # a single ONNX file instead of the folder OUT
+        flag="--onnx", type="path", help="A single ONNX file instead."))
+    target: str = field(default="ort", metadata=dict(   # "ort" | "onnx23"
+        flag="--target", show_default=True,
+        help="ort: SimplifiedLayerNormalization (+Skip) for onnxruntime; onnx23: standard RMSNormalization."))
+    dtype: str = field(default="fp32", metadata=dict(   # the graph's "fp32" | "fp16" (the model loads as stored)
+        flag="--dtype", choices=("fp32", "fp16"), show_default=True,
+        help="Weights and activations of the graph (fp16: norm statistics stay fp32).",
+        also={"fp16": ("--fp16", "Same as --dtype fp16.")}))
+    with_past: bool | None = field(default=None, metadata=dict(   # None: on for decoders into OUT, off with onnx
+        flag="--with-past", secondary="--no-past",
+        help="Decoder with past key/values in and out (default: on for decoders with -o, off with --onnx)."))
+    opset: int | None = field(default=None, metadata=dict(
+        flag="--opset", type=int, help="ONNX opset (ort: 18-23, default 18; onnx23: 23)."))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)
+    overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    """How `inspect_checkpoint` loads SRC (`normswap inspect`'s options)."""
+    load: LoadOptions = LoadOptions()
+
+
+@dataclass(frozen=True)
+class PlotOptions:
+    """`normswap plot`'s options."""
+    overwrite: bool | str = field(default=False, metadata=OVERWRITE)
