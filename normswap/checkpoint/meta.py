@@ -3,8 +3,6 @@ tensors fit it, as `load_model` would make them: shapes, missing and unexpected 
 the tensors transformers makes instead of reading hold what `load_model` gives them."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from accelerate import init_empty_weights
 from torch import nn
@@ -13,44 +11,51 @@ from transformers import AutoConfig
 from normswap.io import safetensors
 from normswap.checkpoint.lazy import Lazy, NotStreamable
 from normswap.errors import NormswapError, first_line
-from normswap.models.source import (auto_class, build_model, check_code, check_weights, ignored_keys, load_dtype,
-                                    read_config, weights_reader)
+from normswap.models.source import Folder, auto_class, build_model, check_weights, ignored_keys, load_dtype
 
 
-def skeleton(path: Path, config=None, dtype: torch.dtype | None = None, cls=None) -> nn.Module:
-    """The model of folder `path` on the meta device (buffers real), in `dtype` or the one it loads in
-    (`load_dtype`). Never runs the folder's own code (no remote code)."""
-    config = config or AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    if dtype is None:
-        dtype = load_dtype(str(path), config, safetensors.Reader(path))
+def skeleton(config, dtype: torch.dtype, cls=None) -> nn.Module:
+    """The model of `config` on the meta device (buffers real), in `dtype`. Never runs a folder's own code (no
+    remote code)."""
     with init_empty_weights():
         model = build_model(cls or auto_class(config), config, dtype)
     model.tie_weights()  # ties made inside init_empty_weights are lost (it re-creates each parameter)
     return model.eval()
 
 
-def open_folder(src: Path, dtype: torch.dtype | None = None, bar=None) -> tuple[nn.Module, Lazy]:
-    """The model of checkpoint folder `src` on meta and the `Lazy` that reads its tensors, checked and
-    completed as `load_model` loads it (`check_folder`). Refuses folders with their own model code."""
-    check_code(str(src), read_config(src), trust_remote_code=False, converting=True)
-    reader = weights_reader(str(src), src, mapped=True)
+def _build(folder: Folder, dtype: torch.dtype | None) -> nn.Module:
+    """The skeleton of `folder`, in `dtype` or the one it loads in (`load_dtype`); a load error in one line."""
     try:
-        config = AutoConfig.from_pretrained(src, local_files_only=True, trust_remote_code=False)
-        model = skeleton(src, config, dtype or load_dtype(str(src), config, reader))
+        config = AutoConfig.from_pretrained(folder.path, local_files_only=True, trust_remote_code=False)
+        return skeleton(config, dtype or load_dtype(folder.src, config, folder.reader))
     except NormswapError:
         raise
     except Exception as e:  # as load_model says it: one line
-        raise NormswapError(f"cannot load model from {src}: {first_line(e)}") from None
-    lazy = Lazy(model, reader, bar)
-    check_folder(model, lazy, src)
+        raise NormswapError(f"cannot load model from {folder.src}: {first_line(e)}") from None
+
+
+def open_folder(folder: Folder, dtype: torch.dtype | None = None, bar=None) -> tuple[nn.Module, Lazy]:
+    """The model of checkpoint folder `folder` (`read_folder`) on meta and the `Lazy` that reads its tensors,
+    checked and completed as `load_model` loads it (`check_folder`)."""
+    model = _build(folder, dtype)
+    lazy = Lazy(model, folder.reader, bar)
+    check_folder(model, lazy, folder.src)
     return model, lazy
 
 
-def check_folder(model: nn.Module, lazy: Lazy, src: Path) -> None:
-    """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected (but what
-    transformers ignores, `ignored_keys`); tied tensors stored under two names hold the same values (else
-    `NotStreamable`). Then the stored buffers are read (`read_buffers`) and the tensors transformers makes
-    instead of reading are made (`_make_unstored`)."""
+def reopen(folder: Folder, dtype: torch.dtype) -> tuple[nn.Module, Lazy]:
+    """`open_folder` again, for a fresh (unconverted) model of a folder it already checked: completed
+    (`complete`), not checked again."""
+    model = _build(folder, dtype)
+    lazy = Lazy(model, folder.reader)
+    complete(model, lazy, _compare(model, lazy)[0])
+    return model, lazy
+
+
+def _compare(model: nn.Module, lazy: Lazy) -> tuple[list[str], list[str], list[str], list]:
+    """(unstored, missing, unexpected, mismatched): the parameters the checkpoint lacks that transformers makes
+    (does not report missing), those it reports missing, the checkpoint's tensors the model lacks, and those
+    of the wrong shape."""
     alias = safetensors.aliases(model)
     params = [k for k, _ in model.named_parameters(remove_duplicate=False) if alias.get(k, k) == k]
     state = model.state_dict(keep_vars=True)
@@ -58,10 +63,24 @@ def check_folder(model: nn.Module, lazy: Lazy, src: Path) -> None:
     missing, unexpected = ignored_keys(model, absent, set(lazy.names) - set(state))
     mismatched = [(k, lazy.reader.meta(lazy.key(k))[1], list(state[k].shape)) for k in state
                   if lazy.key(k) is not None and list(lazy.reader.meta(lazy.key(k))[1]) != list(state[k].shape)]
-    check_weights(str(src), missing, [lazy.names[k] for k in unexpected], mismatched, allow=False)
+    return sorted(set(absent) - set(missing)), missing, unexpected, mismatched
+
+
+def check_folder(model: nn.Module, lazy: Lazy, src: str) -> None:
+    """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected (but what
+    transformers ignores, `ignored_keys`); tied tensors stored under two names hold the same values (else
+    `NotStreamable`). Then the model is completed (`complete`)."""
+    unstored, missing, unexpected, mismatched = _compare(model, lazy)
+    check_weights(src, missing, [lazy.names[k] for k in unexpected], mismatched, allow=False)
     _check_ties(lazy, src)
+    complete(model, lazy, unstored)
+
+
+def complete(model: nn.Module, lazy: Lazy, unstored: list[str]) -> None:
+    """The stored buffers read (`read_buffers`), and the `unstored` parameters made as transformers makes them
+    (`_make_unstored`)."""
     read_buffers(model, lazy)
-    _make_unstored(model, sorted(set(absent) - set(missing)))
+    _make_unstored(model, unstored)
 
 
 def read_buffers(model: nn.Module, lazy: Lazy) -> None:
@@ -94,7 +113,7 @@ def _make_unstored(model: nn.Module, names: list[str]) -> None:
             raise NotStreamable(f"{name} is not stored and transformers initialises it at random")
 
 
-def _check_ties(lazy: Lazy, src: Path) -> None:
+def _check_ties(lazy: Lazy, src: str) -> None:
     """A tied tensor stored under two names with different values: transformers unties them when loading (the
     model's head is then the stored lm_head, not the embedding), which a model built tied cannot follow."""
     seen = set()

@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -167,6 +168,41 @@ def weights_reader(src: str, where: str | Path, mapped: bool = False) -> safeten
         return safetensors.Reader(where, mapped)
     except NormswapError as e:
         raise NormswapError(f"cannot load model from {src}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A SRC resolved once: `text` as given (for messages), `where` it is (a folder or a Hub id) and, for a local
+    folder, its config.json (`read_config`)."""
+    text: str
+    where: str
+    local: bool
+    config: dict | None
+
+
+def read_source(src: str) -> Source:
+    """`src` resolved (`resolve_source`) and, when it is a local folder, its config.json read."""
+    where, local = resolve_source(src)
+    return Source(src, where, local, read_config(where) if local else None)
+
+
+@dataclass(frozen=True)
+class Folder:
+    """A local checkpoint folder read once for streaming and its verification: `src` (its path, for messages),
+    config.json and the weights transformers would load (`weights_reader`, mapped)."""
+    src: str
+    path: Path
+    config: dict
+    reader: safetensors.Reader
+
+
+def read_folder(path: str | Path, config: dict | None = None) -> Folder:
+    """Folder `path` (its config.json read unless given), refused when it ships its own model code
+    (`check_code`), with its weights' headers validated."""
+    path = Path(path)
+    config = read_config(path) if config is None else config
+    check_code(str(path), config, trust_remote_code=False, converting=True)
+    return Folder(str(path), path, config, weights_reader(str(path), path, mapped=True))
 
 
 def load_dtype(src: str, config, reader) -> torch.dtype:

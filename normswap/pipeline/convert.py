@@ -24,7 +24,7 @@ from normswap.io import safetensors
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
-from normswap.models.source import check_code, read_config, resolve_source
+from normswap.models.source import Source, check_code, read_folder, read_source
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
@@ -91,13 +91,14 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
                             "nothing was written")
 
 
-def _streamed(src: str, out: str, o: ConvertOptions) -> ConvertResult:
+def _streamed(source: Source, out: str, o: ConvertOptions) -> ConvertResult:
     """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
     NotStreamable, before anything is written, where it converts only in memory."""
+    folder = read_folder(source.where, source.config)   # its weights' headers, read once for every pass
     def stream(method: str) -> ConvertResult:
-        report, parity = convert_folder(src, out, o.to, method, o.p, o.load.dtype, o.overwrite,
+        report, parity = convert_folder(folder, out, o.to, method, o.p, o.load.dtype, o.overwrite,
                                         o.max_shard_size, o.show_progress)
-        _refuse_broken(src, report)
+        _refuse_broken(source.text, report)
         return ConvertResult(report, parity, out if report.converted else None, streamed=True)
     # a failed verification wrote nothing and left the source untouched: under auto, stream it again naively
     return auto_or_naive(o.method, lambda: stream(o.method), lambda: stream("naive"),
@@ -128,16 +129,16 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     """
     o, out = options, str(out)
     _check_outputs(src, out, o)
-    where, local = resolve_source(src)
-    if local:   # a folder with its own model code: refused before any work, streaming or not
-        check_code(src, read_config(where), o.load.trust_remote_code, converting=True)
+    source = read_source(src)
+    if source.local:   # a folder with its own model code: refused before any work, streaming or not
+        check_code(src, source.config, o.load.trust_remote_code, converting=True)
     device = resolve_device(o.device)
     texts = _heal_texts(o)
     notices: list[str] = []
     if not texts and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
-            and streamable(src):
+            and streamable(source):
         try:
-            return _streamed(src, out, o)
+            return _streamed(source, out, o)
         except NotStreamable as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = _load(src, o, device)

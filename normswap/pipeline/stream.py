@@ -26,14 +26,15 @@ from transformers import GenerationConfig
 
 from normswap import progress
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, trim
-from normswap.checkpoint.meta import open_folder, read_buffers, skeleton
+from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import portable, safetensors
+from normswap.models.demo import DEMO_NAME
 from normswap.models.inputs import sample_inputs
 from normswap.models.load import load_tokenizer
 from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
-from normswap.models.source import DTYPES, dtype_name, read_config
+from normswap.models.source import DTYPES, Folder, Source, dtype_name, read_config, read_folder
 from normswap.norms import build_norm
 from normswap.parity import Parity, compare, refuse_nonfinite
 from normswap.surgery import exact
@@ -44,8 +45,12 @@ from normswap.surgery.report import ConversionReport
 from normswap.surgery.verification import enforced, judge
 
 
-def streamable(src: str) -> bool:
-    """True for a local folder of plain (not yet converted) safetensors weights."""
+def streamable(src: str | Source) -> bool:
+    """True for a local folder of plain (not yet converted) safetensors weights: SRC as given, or as read
+    (`read_source`: its config.json is not read again; `normswap-demo` is a name, not such a folder)."""
+    if isinstance(src, Source):
+        return src.local and src.text != DEMO_NAME and safetensors.has_weights(src.where) \
+            and not src.config.get("normswap")
     path = Path(src).expanduser()
     if not (path.is_dir() and (path / "config.json").exists() and safetensors.has_weights(path)):
         return False
@@ -114,18 +119,19 @@ def _sample_inputs(model: nn.Module) -> list[dict]:
         raise NotStreamable(str(e)) from None
 
 
-def verify_lazy(src: Path, out: Path, dtype: torch.dtype, show_progress: bool = False,
+def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: bool = False,
                 skip: dict | None = None) -> Parity:
-    """Parity of folder `out` (saved by normswap) against folder `src` with neither model in memory (the
-    `skip` outputs, name -> why, not compared: see `parity.reference_outputs`)."""
+    """Parity of folder `out` (saved by normswap) against the folder `original` was read from (`read_folder`: not
+    checked again) with neither model in memory (the `skip` outputs, name -> why, not compared: see
+    `parity.reference_outputs`)."""
     raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
     config, cls = base_config(raw, raw["normswap"], str(out))
-    converted = skeleton(out, config, dtype, cls)
+    converted = skeleton(config, dtype, cls)
     with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
         portable.rebuild(converted, raw["normswap"], str(out), build_norm)
-    reference, source = open_folder(src, dtype)
+    reference, source = reopen(original, dtype)
     inputs = _sample_inputs(reference)
-    total = len(inputs) * (safetensors.Reader(src).total_size() + safetensors.Reader(out).total_size())
+    total = len(inputs) * (original.reader.total_size() + safetensors.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
         source.bar = bar
         lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
@@ -142,7 +148,7 @@ class _Verification:
     """The check `save_pretrained` runs on the written folder before it replaces OUT: parity against the
     source, judged for an exact conversion (kept in `parity`)."""
 
-    def __init__(self, src: Path, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
+    def __init__(self, src: Folder, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
                  skip: dict):
         self.src, self.report, self.dtype, self.show_progress, self.skip = src, report, dtype, show_progress, skip
         self.parity: Parity | None = None
@@ -154,20 +160,22 @@ class _Verification:
             self.report.verification = judge(self.parity, self.dtype, enforce=enforced(self.report))
 
 
-def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method: str = "auto",
+def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm", method: str = "auto",
                    p: float | None = None, dtype: str | None = None, overwrite: bool | str = False,
                    max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                    show_progress: bool = False) -> tuple[ConversionReport, Parity | None]:
-    """Convert the safetensors folder `src` into `out` in bounded memory; (report, parity).
+    """Convert the safetensors folder `src` (a path, or a `Folder` already read) into `out` in bounded memory;
+    (report, parity).
 
     Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
     verified on sample inputs before `out` appears. Raises `lazy.NotStreamable` (before anything is
     written) for a folder that converts only in memory.
     """
-    src, dtype = Path(src).expanduser(), dtype_name(dtype)
-    model, lazy = open_folder(src, DTYPES[dtype] if dtype else None)
-    if (src / "generation_config.json").exists():  # as from_pretrained does
-        model.generation_config = GenerationConfig.from_pretrained(src)
+    dtype = dtype_name(dtype)
+    folder = src if isinstance(src, Folder) else read_folder(Path(src).expanduser())
+    model, lazy = open_folder(folder, DTYPES[dtype] if dtype else None)
+    if (folder.path / "generation_config.json").exists():  # as from_pretrained does
+        model.generation_config = GenerationConfig.from_pretrained(folder.path)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
     report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
@@ -176,11 +184,11 @@ def convert_folder(src: str | Path, out: str | Path, to: str = "rmsnorm", method
     edits = result.edits if isinstance(result, ExactResult) else Recorder()
     specs = safetensors.saved_specs(model)
     stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
-    verification = _Verification(src, report, stored, show_progress, result.unverified)
+    verification = _Verification(folder, report, stored, show_progress, result.unverified)
     with progress.bar(total=safetensors.total_bytes(specs), desc="convert", unit="B", unit_scale=True,
                       enabled=show_progress) as bar:
         lazy.bar = bar
-        save_pretrained(model, out, tokenizer=load_tokenizer(str(src)), overwrite=overwrite,
+        save_pretrained(model, out, tokenizer=load_tokenizer(folder.src), overwrite=overwrite,
                         max_shard_size=max_shard_size, check=verification,
                         tensors=_edited_tensors(model, lazy, specs, edits))
     return report, verification.parity
