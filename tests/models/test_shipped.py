@@ -1,5 +1,5 @@
 """One implementation of a saved conversion (issue 18.2): the modeling_normswap.py every converted folder ships
-is `normswap/models/portable.py` verbatim, the module normswap itself rebuilds folders with; and plain
+is `normswap/io/portable.py` verbatim, the module normswap itself rebuilds folders with; and plain
 transformers, with normswap unimportable, loads every exact family the tests convert as the original model."""
 from __future__ import annotations
 
