@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,7 +106,7 @@ def _streamed(source: Source, out: str, o: ConvertOptions) -> ConvertResult:
 
 
 def _load(src: str, o: ConvertOptions, device: torch.device) -> tuple:
-    model, tokenizer = load_model(src, **asdict(o.load))
+    model, tokenizer = load_model(src, options=o.load)
     model.to(device)
     return model, tokenizer
 

@@ -45,16 +45,11 @@ from normswap.surgery.report import ConversionReport
 from normswap.surgery.verification import enforced, judge
 
 
-def streamable(src: str | Source) -> bool:
-    """True for a local folder of plain (not yet converted) safetensors weights: SRC as given, or as read
+def streamable(src: Source) -> bool:
+    """True for a local folder of plain (not yet converted) safetensors weights, from SRC as read once
     (`read_source`: its config.json is not read again; `normswap-demo` is a name, not such a folder)."""
-    if isinstance(src, Source):
-        return src.local and src.text != DEMO_NAME and safetensors.has_weights(src.where) \
-            and not src.config.get("normswap")
-    path = Path(src).expanduser()
-    if not (path.is_dir() and (path / "config.json").exists() and safetensors.has_weights(path)):
-        return False
-    return not read_config(path).get("normswap")
+    return src.local and src.text != DEMO_NAME and safetensors.has_weights(src.where) \
+        and not src.config.get("normswap")
 
 
 class Deferred:
