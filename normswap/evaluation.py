@@ -17,6 +17,7 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.demo import HELDOUT_FILE, heldout_text
 from normswap.models.introspect import is_causal_lm
+from normswap.models.modes import eval_mode
 from normswap.parity import compare, json_safe, scope
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
@@ -219,15 +220,9 @@ def evaluate(model: nn.Module, tokenizer, texts: list[str] | str | None = None,
         if not HELDOUT_FILE.exists():
             raise NormswapError(f"the bundled held-out text is missing ({HELDOUT_FILE}): pass `texts`")
         texts = [heldout_text()]
-    was = [(m, m.training) for m in (model, reference) if m is not None]
-    for m, _ in was:
-        m.eval()
-    try:
+    with eval_mode(model, reference):
         if not text_only(model):
             return _parity(model, reference)
         if is_causal_lm(model):
             return _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size, show_progress)
         return _encoder(model, tokenizer, texts, reference, seq_len, batch_size, max_sentences, show_progress)
-    finally:
-        for m, training in was:
-            m.train(training)

@@ -77,3 +77,23 @@ def build_norm(spec: dict, like: nn.Module) -> RMSNorm:
     if spec["type"] == "prmsnorm":
         return PartialRMSNorm(spec["width"], p=spec["p"], **kw)
     return RMSNorm(spec["width"], **kw)
+
+
+def off_fast_path(model: nn.Module) -> list[str]:
+    """Keep torch's fused encoder path off wherever a TransformerEncoderLayer's norm is no longer a LayerNorm;
+    the names of the layers it is off for (idempotent).
+
+    In eval, nn.TransformerEncoderLayer runs torch._transformer_encoder_layer_fwd, which computes LayerNorm
+    from norm1's and norm2's weight and bias, and nn.TransformerEncoder packs padded batches into nested
+    tensors for it. torch's own check skips that path when `activation_relu_or_gelu` is 0 (a flag read only
+    there: the activation applied is `activation`), so the layer runs its Python forward, which calls its
+    norms; `use_nested_tensor` False is what the encoder's constructor sets when the path is unavailable.
+    Not saved in a state_dict: a rebuilt model needs this call again."""
+    off = {name: m for name, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer)
+           and not all(isinstance(n, nn.LayerNorm) for n in (m.norm1, m.norm2))}
+    for layer in off.values():
+        layer.activation_relu_or_gelu = 0
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and any(layer in off.values() for layer in m.layers):
+            m.use_nested_tensor = False
+    return list(off)

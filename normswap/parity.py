@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.models.inputs import sample_inputs
+from normswap.models.inputs.examples import model_inputs
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
 STREAM = re.compile(r"(^|\.|_)hidden_states$")
@@ -164,12 +164,12 @@ def run(model: nn.Module, batch: dict, seed: int):
 
 @torch.no_grad()
 def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: dict | None = None) -> Reference:
-    """Run `model` on `inputs` (default: `sample_inputs`) and keep every floating output, detached, but those
-    `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
+    """Run `model` on `inputs` (default: `model_inputs`, its sample inputs) and keep every floating output,
+    detached, but those `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
 
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
     """
-    inputs = inputs if inputs is not None else sample_inputs(model)
+    inputs = inputs if inputs is not None else model_inputs(model)
     name, outs, used, excluded = "output", [], [], {}
     for i, batch in enumerate(inputs):
         try:
@@ -306,7 +306,7 @@ def refuse_nonfinite(parity: Parity) -> None:
 
 def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None,
             skip: dict | None = None) -> Parity:
-    """Run both models on the same inputs (default: `sample_inputs(reference)`) and compare (but `skip`)."""
+    """Run both models on the same inputs (default: `model_inputs(reference)`) and compare (but `skip`)."""
     return compare_to(reference_outputs(reference, inputs, skip), model)
 
 

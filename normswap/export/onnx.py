@@ -30,7 +30,10 @@ from normswap.io import owned
 from normswap.errors import NormswapError
 from normswap.export import wrap
 from normswap.export.report import ExportReport
+from normswap.models.inputs.examples import HOW, as_batches
+from normswap.models.section import has_config
 from normswap.models.introspect import is_rms_norm
+from normswap.models.modes import eval_mode
 from normswap.norms import PartialRMSNorm
 from normswap.parity import main_output
 
@@ -100,21 +103,19 @@ def _main_output(model: nn.Module) -> str:
     raise NormswapError(f"{type(model).__name__} returns neither logits nor last_hidden_state")
 
 
-def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, target: str, opset: int):
-    """torch.onnx (dynamo) with norms lowered to fused nodes, then the library fusions; an ONNXProgram."""
+def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list[str], list[str]], dyn,
+            target: str, opset: int):
+    """torch.onnx (dynamo) with norms lowered to fused nodes, then the library fusions; (ONNXProgram, rewrites)."""
     from normswap.export import fuse, translate   # onnx is an optional extra: imported when exporting
 
-    args, dyn = wrap.example(model, with_past)
-    names_in, names_out = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
-                                        positions=wrap.takes_positions(model))
     with translate.lowered_norms(model), warnings.catch_warnings(), \
             contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         log = logging.getLogger("torch.onnx")
         level, log.level = log.level, logging.ERROR  # "torchvision is not installed" notices
         try:
-            prog = torch.onnx.export(wrapper, args, dynamo=True, opset_version=opset, input_names=names_in,
-                                     output_names=names_out, dynamic_shapes=dyn, verbose=False,
+            prog = torch.onnx.export(wrapper, args, dynamo=True, opset_version=opset, input_names=names[0],
+                                     output_names=names[1], dynamic_shapes=dyn, verbose=False,
                                      optimize=False,
                                      custom_translation_table=translate.translation_table(target, opset))
         except Exception as e:
@@ -128,45 +129,108 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     onnxscript.optimizer.optimize_ir(prog.model)
     rewrites = fuse.fuse(prog.model, target)
     fuse.drop_trailing_empty_inputs(prog.model)
+    return prog, rewrites
+
+
+def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, target: str, opset: int):
+    """An HF model's graph (Optimum's names and axes); (ONNXProgram, rewrites)."""
+    args, dyn = wrap.example(model, with_past)
+    names = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
+                          positions=wrap.takes_positions(model))
+    prog, rewrites = _dynamo(wrapper, model, args, names, dyn, target, opset)
     wrap.name_axes(prog.model, with_past)
     return prog, rewrites
+
+
+def _export_module(model: nn.Module, batch: dict, target: str, opset: int):
+    """Any module's graph on an example batch: its inputs' dims dynamic where the model allows it, else (where
+    torch.export fails with them) the example's shapes; (ONNXProgram, rewrites, output names)."""
+    flat = wrap.flat_inputs(batch)
+    args = tuple(t for _, t in flat)
+    names = ([n for n, _ in flat], wrap.output_names(model, batch))
+    if not names[1]:
+        raise NormswapError(f"{type(model).__name__} returns no tensor on the example inputs: nothing to export")
+    wrapper = wrap.Flat(model, batch)
+    try:
+        return (*_dynamo(wrapper, model, args, names, wrap.auto_shapes(args), target, opset), names[1])
+    except NormswapError:   # dynamic shapes it cannot trace: the example's own
+        return (*_dynamo(wrapper, model, args, names, None, target, opset), names[1])
 
 
 def _weight_bytes(model: nn.Module, fp16: bool) -> int:
     return sum(p.numel() * (2 if fp16 and p.is_floating_point() else p.element_size()) for p in model.parameters())
 
 
-def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
-           validate: bool, external_data_bytes: int) -> ExportReport:
-    """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`."""
-    from normswap.export.validate import validate_export   # onnx is an optional extra
+def _build_hf(reference: nn.Module, work: nn.Module, report: ExportReport):
+    """An HF model's export (its main output; with_past: the KV cache too); the ONNXProgram."""
+    report.output = _main_output(reference)
+    if report.with_past and (report.output != "logits" or not wrap.is_decoder(reference)):
+        raise NormswapError("`with_past=True` needs a decoder-only language model (with logits and a KV cache)")
+    wrapper = wrap.WithPast(work) if report.with_past else wrap.Plain(work, report.output)
+    prog, report.rewrites = _export(wrapper, work, report.with_past, report.output, report.target, report.opset)
+    return prog
 
-    was_training = model.training
-    model.eval()
+
+def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
+          validate: bool, external_data_bytes: int, example_inputs=None) -> ExportReport:
+    """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`. With
+    `example_inputs`, any module, on them (`_export_module`); without, an HF model on its own inputs."""
+    from normswap.export.validate import validate_export, validate_module   # onnx is an optional extra
+
+    modes = contextlib.ExitStack()   # eval, every module's own flag back after it
+    modes.enter_context(eval_mode(model))
     try:
         reference = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
         work = copy.deepcopy(reference).half() if fp16 else reference
-        output = _main_output(reference)
-        if with_past and (output != "logits" or not wrap.is_decoder(reference)):
-            raise NormswapError("`with_past=True` needs a decoder-only language model (with logits and a KV cache)")
-        wrapper = wrap.WithPast(work) if with_past else wrap.Plain(work, output)
-        report = ExportReport(str(final), target, opset, fp16, with_past, output, norms=count_norms(work))
-        prog, report.rewrites = _export(wrapper, work, with_past, output, target, opset)
+        report = ExportReport(str(final), target, opset, fp16, with_past, "", norms=count_norms(work))
+        if example_inputs is None:
+            prog = _build_hf(reference, work, report)
+        else:
+            batches = as_batches(reference, example_inputs)
+            prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], target, opset)
+            report.output = ", ".join(names)
         prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16)})
         # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
         report.external_data = _weight_bytes(work, fp16) > external_data_bytes
         prog.save(staged, external_data=report.external_data)
-        if validate:
+        if validate and example_inputs is None:
             validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
+        elif validate:
+            validate_module(staged, report, reference, batches, names, FP32_TOL, FP16_TOL)
     finally:
-        model.train(was_training)
+        modes.close()
     return report
+
+
+def _check_model(model, example_inputs, with_past: bool) -> None:
+    """One-line errors before anything is written: what the model is, its example inputs, with_past."""
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise NormswapError(f"{type(model).__name__} has no parameters: nothing to export")
+    if example_inputs is None and not has_config(model):
+        raise NormswapError(f"cannot export {type(model).__name__} (not a transformers model with a config) without "
+                            f"inputs: {HOW}")
+    if example_inputs is not None and with_past:
+        raise NormswapError("`with_past=True` exports an HF decoder on its own inputs: leave out `example_inputs`")
+    if example_inputs is not None:
+        as_batches(model, example_inputs)   # each batch fits the forward
 
 
 def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
                 with_past: bool = False, opset: int | None = None, overwrite: bool = False,
-                validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES) -> ExportReport:
-    """Export a (converted) HF model to ONNX at `path` and validate it in onnxruntime.
+                validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES,
+                example_inputs=None) -> ExportReport:
+    """Export a (converted) model to ONNX at `path` and validate it in onnxruntime.
+
+    example_inputs (any nn.Module; needed without a transformers config): one batch or a list of batches, as
+    `convert` takes them. The first is traced: its tensors are the graph's inputs (named by keyword; nested:
+    `pair.0`), every dim > 1 dynamic where the model allows it (else, where torch.export cannot trace them,
+    the example's shapes); whatever the model returns (tensor, tuple, dict, nested) is flattened into outputs
+    named `output`, `0`, `logits`, `a.b`. Validated in onnxruntime against PyTorch on every batch and on the
+    first with each dynamic dim doubled in turn (the batch size first; where PyTorch runs it), every output
+    within 1e-4 of its max |value| (fp16: 1e-2 of max(1, max |value|)). Without them, an HF model is exported
+    on its own inputs (input_ids, attention_mask) and output (logits or last_hidden_state):
 
     target "ort": RMSNorm -> SimplifiedLayerNormalization, residual add + norm ->
     com.microsoft.SkipSimplifiedLayerNormalization; "onnx23": standard opset-23 RMSNormalization.
@@ -179,12 +243,12 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     opset = check_args(target, opset)
     check_replaceable(path, overwrite)
     path = Path(path).expanduser()
-    if not hasattr(model, "config"):
-        raise NormswapError("export_onnx needs a Hugging Face model (with .config)")
+    _check_model(model, example_inputs, with_past)
     tmp = _staging_dir(path, overwrite)
     try:
         staged = tmp / path.name
-        report = build(model, staged, path, target, fp16, with_past, opset, validate, external_data_bytes)
+        report = build(model, staged, path, target, fp16, with_past, opset, validate, external_data_bytes,
+                       example_inputs)
         for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
             os.replace(f, path.parent / f.name)
     finally:

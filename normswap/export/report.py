@@ -12,7 +12,7 @@ class ExportReport:
     opset: int
     fp16: bool
     with_past: bool
-    output: str                                              # "logits" | "last_hidden_state"
+    output: str                                              # "logits" | "last_hidden_state" | module: names
     norms: dict[str, int] = field(default_factory=dict)      # in the model: rmsnorm, prmsnorm, layernorm
     fused: dict[str, int] = field(default_factory=dict)      # norm nodes in the ORT-optimised graph
     rewrites: dict[str, int] = field(default_factory=dict)   # onnxscript fusion rules applied
@@ -44,8 +44,10 @@ class ExportReport:
         lines.append(f"norms in model: {norms}; norm nodes in ORT-optimised graph: {fused}")
         if self.norms.get("prmsnorm"):
             lines.append("pRMSNorm has no fused ONNX op: exported op by op (Slice, Pow, ReduceMean, Sqrt, Div)")
-        for r in self.parity:
-            lines.append(f"max |Δ{self.output}| ORT vs PyTorch at batch {r['batch']}, seq {r['seq']}: "
+        for r in self.parity:   # a module exported on example inputs: per output and batch (`validate_module`)
+            lines.append(f"max |Δ{r['output']}| ORT vs PyTorch on {r['inputs']}: {r['max_abs']:.3e} (tolerance "
+                         f"{r['tolerance']:.1e})" if "inputs" in r else
+                         f"max |Δ{self.output}| ORT vs PyTorch at batch {r['batch']}, seq {r['seq']}: "
                          f"{r['max_abs']:.3e} (tolerance {self.tolerance:.1e})")
         if self.generation:
             g = self.generation

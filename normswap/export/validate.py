@@ -2,7 +2,9 @@
 CPU, fused norm nodes in the ORT-optimised graph vs norms in the model, parity with PyTorch at two
 batch/sequence sizes, greedy generation with the past (with_past: one prompt, and a left-padded batch
 of prompts of different lengths, each row equal to PyTorch and to the prompt run alone), and ORT
-latency."""
+latency. A module exported on example inputs (`validate_module`): the same file checks, fused nodes vs the
+norms its forward calls, parity of every output on each example batch and on the first with each dynamic
+dim doubled in turn."""
 from __future__ import annotations
 
 import statistics
@@ -17,6 +19,9 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, translate, wrap
+from normswap.models.introspect import is_rms_norm
+from normswap.norms import PartialRMSNorm
+from normswap.parity import tensors
 
 SIZES = ((1, 7), (3, 33))
 
@@ -178,24 +183,33 @@ def latency_ms(sess, model: nn.Module, with_past: bool, np_dtype, batch: int = 1
     return statistics.median(times)
 
 
-def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32_tol: float,
-                    fp16_tol: float) -> None:
-    """Fill `report` with the checks; raise NormswapError on the first one that fails."""
+def opened(staged: Path, report):
+    """onnx.checker on the file, the fused norm nodes ORT's optimiser leaves (into `report`), an ORT session."""
     try:
         check_file(staged)
     except Exception as e:
         raise NormswapError(f"onnx.checker rejected the export: {first_line(e)}") from None
     try:
         report.fused = optimized_norm_nodes(staged)
-        sess = session(staged)
+        return session(staged)
     except Exception as e:
         raise NormswapError(f"onnxruntime cannot load the export: {first_line(e)[:300]}") from None
-    n = report.norms
+
+
+def check_fused(report, n: dict[str, int]) -> None:
+    """One fused node per norm: `n` norms ("rmsnorm", "layernorm") vs the nodes in the optimised graph."""
     rms_nodes = sum(report.fused.get(k, 0) for k in fuse.RMS_OPS)
     ln_nodes = sum(report.fused.get(k, 0) for k in fuse.LN_OPS)
     if rms_nodes != n["rmsnorm"] or ln_nodes != n["layernorm"]:
         raise NormswapError(f"fused norm nodes do not match the model: {n['rmsnorm']} RMSNorm vs {rms_nodes} "
                             f"fused RMS nodes, {n['layernorm']} LayerNorm vs {ln_nodes} LayerNormalization nodes")
+
+
+def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32_tol: float,
+                    fp16_tol: float) -> None:
+    """Fill `report` with the checks; raise NormswapError on the first one that fails."""
+    sess = opened(staged, report)
+    check_fused(report, report.norms)
     np_dtype = np.float16 if fp16 else np.float32
     report.parity = parity(sess, reference, report.output, report.with_past, np_dtype)
     for r in report.parity:
@@ -214,4 +228,106 @@ def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32
                                      f"(prompt lengths {gen['prompt_lengths']}) between ORT, PyTorch and "
                                      f"each prompt alone")
     report.latency_ms = latency_ms(sess, reference, report.with_past, np_dtype)
+    report.validated = True
+
+
+@torch.no_grad()
+def norm_calls(model: nn.Module, batch: dict) -> dict[str, int]:
+    """How often `model(**batch)` calls a norm that exports as one fused RMS node, and an nn.LayerNorm (a norm
+    called twice is two nodes; one never called, none)."""
+    counts = {"rmsnorm": 0, "layernorm": 0}
+
+    def counter(kind: str):
+        return lambda *_: counts.__setitem__(kind, counts[kind] + 1)
+    kinds = {m: "rmsnorm" if is_rms_norm(m) and not isinstance(m, PartialRMSNorm) else "layernorm"
+             for m in model.modules() if is_rms_norm(m) or isinstance(m, nn.LayerNorm)}
+    handles = [m.register_forward_hook(counter(kind)) for m, kind in kinds.items()]
+    try:
+        model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+def _growths(sess) -> list[tuple[str, str]]:
+    """(what, dim) to grow the example along: each dynamic dim of the graph's inputs, one at a time, first seen
+    first (the batch); none where a dim is an expression (s0 + 1), which doubling one symbol would not fit."""
+    seen: dict[str, str] = {}
+    for i in sess.get_inputs():
+        for axis, d in enumerate(i.shape):
+            if isinstance(d, str) and d not in seen:
+                seen[d] = "batch size doubled" if axis == 0 and not seen else f"{i.name} axis {axis} doubled"
+    return [(what, d) for d, what in seen.items()] if all(d.isidentifier() for d in seen) else []
+
+
+def grown(sess, batch: dict, dim: str) -> dict:
+    """`batch` with each input axis the graph names `dim` doubled (the tensor, then its mirror image)."""
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    flat = []
+    for name, t in wrap.flat_inputs(batch):
+        for axis, d in enumerate(shapes.get(name, ())):
+            t = torch.cat([t, t.flip(axis)], axis) if d == dim else t
+        flat.append(t)
+    return wrap.substitute(batch, iter(flat))
+
+
+def _described(batch: dict, what: str) -> str:
+    return f"{what} ({', '.join(n + ' ' + 'x'.join(map(str, t.shape)) for n, t in wrap.flat_inputs(batch))})"
+
+
+@torch.no_grad()
+def module_parity(sess, reference: nn.Module, batch: dict, names: list[str], what: str, np_dtype) -> list[dict]:
+    """Per output: max |ORT - PyTorch| and max |PyTorch| on `batch` (integer outputs: max |Δ| too)."""
+    graph = {i.name for i in sess.get_inputs()}
+    feed = {n: (t.detach().cpu().numpy().astype(np_dtype) if t.is_floating_point() else t.detach().cpu().numpy())
+            for n, t in wrap.flat_inputs(batch) if n in graph}
+    ref = [t for _, t in tensors(reference(**batch))]
+    try:
+        got = sess.run(names, feed)
+    except Exception as e:
+        raise NormswapError(f"onnxruntime cannot run the export on {what}: {first_line(e)[:300]}") from None
+    if len(ref) != len(got):
+        raise NormswapError(f"the model returns {len(ref)} tensors on {what}, the graph {len(got)}")
+    lead = next((t for _, t in wrap.flat_inputs(batch) if t.dim()), None)
+    rows = []
+    for name, r, g in zip(names, ref, got):
+        r = r.detach().double().cpu().numpy()
+        diff = np.abs(g.astype(np.float64) - r)
+        rows.append({"inputs": what, "output": name, "batch": 1 if lead is None else int(lead.shape[0]),
+                     "max_abs": float(diff.max(initial=0.0)), "ref_max": float(np.abs(r).max(initial=0.0)),
+                     "finite": bool(np.isfinite(g).all())})
+    return rows
+
+
+def _runs(sess, reference: nn.Module, batches: list[dict]):
+    """(batch, what) to compare on: each example batch, then the first grown, where PyTorch runs it."""
+    yield from ((b, _described(b, f"example batch {i}")) for i, b in enumerate(batches))
+    for what, dim in _growths(sess):
+        batch = grown(sess, batches[0], dim)
+        try:
+            with torch.no_grad():
+                reference(**batch)
+        except Exception:   # the model does not take that size (positions, image size): nothing to compare
+            continue
+        yield batch, _described(batch, f"example batch 0, {what}")
+
+
+def validate_module(staged: Path, report, reference: nn.Module, batches: list[dict], names: list[str],
+                    fp32_tol: float, fp16_tol: float) -> None:
+    """`validate_export` for a module exported on example inputs (`batches`, bound and placed for `reference`,
+    the fp32 model); every output within fp32_tol * max |output| (fp16: fp16_tol * max(1, max |output|))."""
+    sess = opened(staged, report)
+    check_fused(report, norm_calls(reference, batches[0]))
+    np_dtype = np.float16 if report.fp16 else np.float32
+    for batch, what in _runs(sess, reference, batches):
+        rows = module_parity(sess, reference, batch, names, what, np_dtype)
+        report.parity += rows
+        for r in rows:
+            tol = fp16_tol * max(1.0, r["ref_max"]) if report.fp16 else fp32_tol * r["ref_max"]
+            r["tolerance"] = tol
+            if not r["finite"] or r["max_abs"] > tol:
+                raise NormswapError(f"ORT output {r['output']} differs from PyTorch on {what}: max |Δ| "
+                                    f"{r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
+    report.tolerance = fp16_tol if report.fp16 else fp32_tol
     report.validated = True

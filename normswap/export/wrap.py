@@ -1,9 +1,14 @@
-"""Flat-tensor wrappers around HF models: what torch.onnx traces and what ONNX inputs/outputs are named.
+"""Flat-tensor wrappers around models: what torch.onnx traces and what ONNX inputs/outputs are named.
 
-Names and axis names follow Optimum's ORTModelForCausalLM: input_ids, attention_mask, position_ids
+HF models: names and axis names follow Optimum's ORTModelForCausalLM: input_ids, attention_mask, position_ids
 (decoders), past_key_values.{i}.key/value -> logits (encoders: last_hidden_state),
 present.{i}.key/value. The past is passed as plain tensors and turned into a transformers
 DynamicCache inside forward, so no Cache object crosses the export boundary.
+
+Any other module (`Flat`): called with the user's example batch, its tensors the graph's inputs (named by
+keyword, nested ones dotted: `x`, `pair.0`), its outputs flattened as `parity.tensors` names them (`output`
+for a lone tensor, `0`, `1` for a tuple, `logits`, `a.b` for a dict); every dim > 1 of an input dynamic
+where the model allows it (torch.export's Dim.AUTO).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from torch import nn
 from torch.export import Dim
 
 from normswap.models.introspect import config_int
+from normswap.parity import tensors
 
 
 def is_decoder(model: nn.Module) -> bool:
@@ -157,3 +163,43 @@ def example(model: nn.Module, with_past: bool, batch: int = 2, seq: int = 5, pas
     rest += [torch.zeros(kv_shape(model, batch, past), device=device, dtype=dtype) for _ in range(n)]
     rest_dyn += [{0: b, 2: p} for _ in range(n)]
     return tuple(args + rest), tuple(dyn + [tuple(rest_dyn)])
+
+
+def flat_inputs(batch: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of a batch of keyword arguments, in `parity.tensors` order."""
+    return list(tensors(batch))
+
+
+def substitute(value, flat):
+    """`value` with each tensor replaced by the next one of the iterator `flat` (in `parity.tensors` order)."""
+    if isinstance(value, torch.Tensor):
+        return next(flat)
+    if isinstance(value, dict):
+        return {k: substitute(v, flat) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [substitute(v, flat) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+class Flat(nn.Module):
+    """(tensor, ...) -> (tensor, ...): `model` called with `batch`, its tensors replaced by the inputs (anything
+    else in it is a constant of the graph), its output's tensors in `parity.tensors` order."""
+
+    def __init__(self, model: nn.Module, batch: dict):
+        super().__init__()
+        self.model, self.batch = model, batch
+
+    def forward(self, *flat):
+        return tuple(t for _, t in tensors(self.model(**substitute(self.batch, iter(flat)))))
+
+
+@torch.no_grad()
+def output_names(model: nn.Module, batch: dict) -> list[str]:
+    """The names `Flat` gives `model`'s outputs on `batch`: `output` for a lone tensor, else dotted keys."""
+    return [name or "output" for name, _ in tensors(model(**batch))]
+
+
+def auto_shapes(flat: tuple) -> tuple:
+    """dynamic_shapes for `Flat`'s *inputs: every dim > 1 automatic (dynamic unless the model fixes it)."""
+    return (tuple({i: Dim.AUTO for i, n in enumerate(t.shape) if n > 1} for t in flat),)

@@ -1,8 +1,8 @@
 """What normswap writes, and how to tell a folder or file it wrote from anyone else's.
 
 `overwrite=True` replaces only such outputs (`atomic.check_replaceable`): a converted folder (config.json
-with a section only normswap writes), a deployment folder (model.onnx carrying normswap's metadata), or an
-ONNX file normswap exported; each holding nothing but the files normswap writes.
+with a section only normswap writes, or a module's normswap.json), a deployment folder (model.onnx carrying
+normswap's metadata), or an ONNX file normswap exported; each holding nothing but the files normswap writes.
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import os
 import re
 from pathlib import Path
 
-# What save_pretrained and export_folder write (config, weights, generation config, tokenizer files, graph,
-# heal's log).
-FILES = frozenset({
+RECORD = "normswap.json"   # what changed, beside the weights of a module without a transformers config
+# What save_pretrained and export_folder write (config or record, weights, generation config, tokenizer files,
+# graph, heal's log).
+FILES = frozenset({RECORD,
     "config.json", "generation_config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
@@ -34,6 +35,15 @@ def exported_onnx(path: str | os.PathLike) -> bool:
     return any(p.key == ONNX_MARK for p in props)
 
 
+def _record(out: Path) -> bool:
+    """A folder holding a module's record (normswap.json: a section whose `format` is set)."""
+    try:
+        record = json.loads((out / RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "format" in record and "norms" in record
+
+
 def foreign(out: Path) -> str | None:
     """Why the existing folder `out` is not normswap's to replace (None: empty, or normswap's own)."""
     entries = sorted(os.listdir(out))
@@ -44,7 +54,7 @@ def foreign(out: Path) -> str | None:
     except (OSError, ValueError):
         config = None
     onnx_folder = (out / "model.onnx").is_file() and exported_onnx(out / "model.onnx")
-    if not isinstance(config, dict) or not (any(k in config for k in SECTIONS) or onnx_folder):
+    if not (isinstance(config, dict) and (any(k in config for k in SECTIONS) or onnx_folder) or _record(out)):
         return "was not written by normswap (no config.json with a 'normswap' section)"
     alien = [e for e in entries if not (e in FILES or SHARD.fullmatch(e)) or not (out / e).is_file()]
     if alien:

@@ -17,6 +17,7 @@ transformers, lazily), never normswap; a test fails if the shipped copy differs 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -44,8 +45,7 @@ def partial_width(d: int, p: float | None) -> int:
     integer (p=0.07, d=100 gives 7, as the decimal says)."""
     if p is None:
         return d
-    x = p * d
-    n = round(x)
+    x, n = p * d, round(p * d)
     return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
 
 
@@ -271,8 +271,7 @@ def centred(x: torch.Tensor) -> torch.Tensor:
 
 def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None) -> torch.Tensor:
     """What an output fix returns for `out`: centred if `centre`, plus `bias` if given."""
-    if centre:
-        out = centred(out)
+    out = centred(out) if centre else out
     return out if bias is None else out + bias
 
 
@@ -285,8 +284,7 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     stay). bias=None with width>0 creates a zero bias `normswap_bias` (for loading: the weights fill it)."""
     if hasattr(module, "normswap_centre"):
         raise ValueError("module already has an output fix")
-    if bias is None and width:
-        bias = torch.zeros(width)
+    bias = torch.zeros(width) if bias is None and width else bias
     if bias is not None:
         ref = next(module.parameters(), None)
         kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
@@ -295,12 +293,20 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     module.register_forward_hook(_fix_output)
 
 
-def centre_input(module: nn.Module, args, kwargs):
-    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with."""
+def first_input(module: nn.Module, args, kwargs) -> str | int | None:
+    """Where the first tensor `module` is called with is: 0 (its first positional argument), else its first
+    tensor keyword argument in its forward's order (however the caller ordered them); None if none."""
     if args:
-        return (centred(args[0]), *args[1:]), kwargs
-    key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    return args, {**kwargs, key: centred(kwargs[key])}
+        return 0
+    order = list(inspect.signature(module.forward).parameters)
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return min(keys, key=lambda k: order.index(k) if k in order else len(order), default=None)
+
+
+def centre_input(module: nn.Module, args, kwargs):
+    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`)."""
+    key = first_input(module, args, kwargs)
+    return ((centred(args[0]), *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: centred(kwargs[key])})
 
 
 def add_input_fix(module: nn.Module) -> None:

@@ -75,3 +75,15 @@ def in_width(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return module.in_features
     return module.weight.shape[0] if is_conv1d(module) else -1
+
+
+def floating_buffers(model: nn.Module) -> dict[str, bool]:
+    """The model's floating-point buffers of more than one value, each once by name -> persistent (saved in
+    the state dict and loaded from it; a non-persistent one is rebuilt by the model's own code). Integer and
+    bool buffers are indices and masks, a single value is a scalar: neither carries channels."""
+    out = {}
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point() and buf.numel() > 1:
+            owner, _, attr = name.rpartition(".")
+            out[name] = attr not in model.get_submodule(owner)._non_persistent_buffers_set
+    return out

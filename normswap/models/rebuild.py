@@ -5,6 +5,7 @@ ships, run here with normswap's own norm modules), the weights loaded. No code f
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from normswap.io import safetensors
 from normswap.errors import NormswapError, first_line, reraised
-from normswap.io import portable
+from normswap.io import owned, portable
 from normswap.models import schema
 from normswap.models.hub import MODELING_FILE
 from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
@@ -35,25 +36,33 @@ def base_config(raw: dict, section: dict, where: str):
     return config, cls
 
 
-def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
-    """Fill `model` from a checkpoint folder (one file or shards), a tensor at a time, naming every missing,
-    unexpected or wrong-shaped tensor (a tied tensor is stored once, under any of its names; the tensors
-    transformers ignores when missing or unexpected are ignored)."""
+def load_weights(model: nn.Module, path: Path, check: Callable[[list, list, list], None]) -> None:
+    """Fill `model` from a checkpoint folder (one file or shards), a tensor at a time (a tied tensor is stored
+    once, under any of its names). check(missing, unexpected, mismatched: (name, stored shape, model shape))
+    runs first and raises to refuse; a wrong-shaped tensor it lets through is left as it is."""
     reader = safetensors.Reader(path)
     alias = safetensors.aliases(model)
     state = model.state_dict(keep_vars=True)
     stored = set(reader.keys())
     present = {alias.get(k, k) for k in stored & set(state)}
     missing = [k for k in state if alias.get(k, k) == k and k not in present]
-    missing, unexpected = ignored_keys(model, missing, stored - set(state))
     mismatched = [(k, reader.meta(k)[1], list(state[k].shape)) for k in sorted(stored & set(state))
                   if list(reader.meta(k)[1]) != list(state[k].shape)]
-    check_weights(str(path), missing, unexpected, mismatched, allow)
+    check(missing, sorted(stored - set(state)), mismatched)
     bad = {k for k, _, _ in mismatched}
     with torch.no_grad():
         for key in reader.keys():
             if key in state and key not in bad:
                 state[key].copy_(reader.get(key))
+
+
+def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:
+    """`load_weights`, naming every missing, unexpected or wrong-shaped tensor (those transformers ignores when
+    missing or unexpected are ignored); with `allow`, a warning instead of an error."""
+    def check(missing, unexpected, mismatched) -> None:
+        missing, unexpected = ignored_keys(model, missing, unexpected)
+        check_weights(str(path), missing, unexpected, mismatched, allow)
+    load_weights(model, path, check)
 
 
 def _warn_old_code(path: Path, section: dict) -> None:
@@ -74,6 +83,9 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     (an `auto_map` is ignored: the original architecture is rebuilt).
     """
     path, dtype = Path(path), dtype_name(dtype)
+    if (path / owned.RECORD).is_file() and not (path / "config.json").is_file():
+        raise NormswapError(f"{path} holds a module without a transformers config ({owned.RECORD}): rebuild it "
+                            "with normswap.restore(model, folder) on a fresh instance of its class")
     raw = read_config(path)
     section = raw.get("normswap")
     if not section:

@@ -1,6 +1,7 @@
-"""Saving a (converted) model in Hugging Face layout, atomically: config.json with its `normswap` section
+"""Saving a (converted) model, atomically: in Hugging Face layout, config.json with its `normswap` section
 (validated on load by `schema`, with a checksum), model.safetensors (sharded with an index above
-max_shard_size), modeling_normswap.py (`hub`), generation config and tokenizer files."""
+max_shard_size), modeling_normswap.py (`hub`), generation config and tokenizer files; a module without a
+transformers config, its weights and normswap.json (the same section, rebuilt by `restore`)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,12 @@ import torch
 from torch import nn
 
 from normswap.io.atomic import atomic_dir
-from normswap.io import safetensors
+from normswap.io import owned, safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
 from normswap.models.hub import make_self_describing
 from normswap.models.introspect import is_causal_lm
+from normswap.models.section import has_config, section as module_section
 from normswap.models.source import transformers_class
 
 
@@ -30,11 +32,17 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     order, when they are not the model's own (streaming computes them as they are written). files: more text
     files to write beside the weights, name -> content (heal's heal_log.json; names in `owned.FILES`).
 
+    A module without a transformers config (any nn.Module) is saved as model.safetensors (sharded likewise)
+    and normswap.json: its normswap section (an unconverted one: an empty record), which `normswap.restore`
+    rebuilds on a fresh instance of its class.
+
     overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
     """
-    if not hasattr(model, "config"):
-        raise NormswapError("save_pretrained needs a Hugging Face model (with .config)")
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
+    if not has_config(model):
+        return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files)
     section = getattr(model.config, "normswap", None)
     if section and transformers_class(type(model).__name__) is not type(model):
         raise NormswapError(f"cannot save the converted {type(model).__name__}: it is not a transformers class (its "
@@ -56,6 +64,43 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        if check is not None:
+            check(tmp)
+    return Path(out)
+
+
+MODULE_TYPE = "torch.nn.Module"   # the record's base.model_type for a module without a transformers config
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def module_record(model: nn.Module) -> dict:
+    """What normswap.json records: the model's section (updated in place, as config.normswap is), or an empty
+    one for an unconverted module; its `base` names the class, for information (`restore` checks structure)."""
+    record = module_section(model)
+    if record is None:
+        record = {"norms": {}, "added_biases": [], "output_fixes": {}, "conversions": []}
+    record.update(format=schema.FORMAT, base={"architecture": qualified_name(type(model)), "model_type": MODULE_TYPE})
+    return record
+
+
+def save_module(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool | str = False,
+                max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
+                check: Callable[[Path], None] | None = None,
+                tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None) -> Path:
+    """`save_pretrained` for a module without a transformers config: weights (tied tensors once) and
+    normswap.json with the section's checksum (of itself and of the weights' headers)."""
+    record = module_record(model)
+    with atomic_dir(out, overwrite) as tmp:
+        safetensors.save_model(model, tmp, max_shard_size, tensors)
+        record["checksum"] = schema.checksum(record, tmp)
+        (tmp / owned.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         for name, text in (files or {}).items():

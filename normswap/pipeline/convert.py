@@ -22,6 +22,7 @@ from normswap.healing.report import HealReport
 from normswap.healing.tracking import LOG_FILE
 from normswap.io import safetensors
 from normswap.io.atomic import check_output, check_replaceable
+from normswap.models.inputs.examples import batches_of, check_examples, model_inputs
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
 from normswap.models.source import Source, check_code, read_folder, read_source
@@ -62,6 +63,8 @@ class ConvertResult:
 
 def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
     inputs = [("`src`", src)] + [("`data`", d) for d in o.data]
+    if isinstance(o.example_inputs, (str, Path)):
+        inputs.append(("`example_inputs`", o.example_inputs))
     check_output(out, inputs)
     check_replaceable(out, o.overwrite)
     if o.onnx:
@@ -91,13 +94,13 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
                             "nothing was written")
 
 
-def _streamed(source: Source, out: str, o: ConvertOptions) -> ConvertResult:
+def _streamed(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
     """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
     NotStreamable, before anything is written, where it converts only in memory."""
     folder = read_folder(source.where, source.config)   # its weights' headers, read once for every pass
     def stream(method: str) -> ConvertResult:
         report, parity = convert_folder(folder, out, o.to, method, o.p, o.load.dtype, o.overwrite,
-                                        o.max_shard_size, o.show_progress)
+                                        o.max_shard_size, o.show_progress, examples)
         _refuse_broken(source.text, report)
         return ConvertResult(report, parity, out if report.converted else None, streamed=True)
     # a failed verification wrote nothing and left the source untouched: under auto, stream it again naively
@@ -111,13 +114,14 @@ def _load(src: str, o: ConvertOptions, device: torch.device) -> tuple:
     return model, tokenizer
 
 
-def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokenizer) -> tuple:
+def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokenizer, examples: list | None) -> tuple:
     """(model, tokenizer, report): `model` converted in place; under auto, a failed verification (after the
     edits) loads the source again and converts that naively."""
     def naively() -> tuple:
         fresh, tok = _load(src, o, device)
         return fresh, tok, convert(fresh, to=o.to, method="naive", p=o.p)
-    return auto_or_naive(o.method, lambda: (model, tokenizer, convert(model, to=o.to, method=o.method, p=o.p)),
+    return auto_or_naive(o.method, lambda: (model, tokenizer, convert(model, to=o.to, method=o.method, p=o.p,
+                                                                      example_inputs=examples)),
                          naively, lambda converted: converted[2].warnings, VerificationFailed)
 
 
@@ -134,19 +138,22 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
         check_code(src, source.config, o.load.trust_remote_code, converting=True)
     device = resolve_device(o.device)
     texts = _heal_texts(o)
+    examples = batches_of(o.example_inputs) or None   # a file is read (and checked) now, before any work
+    check_examples(examples)
     notices: list[str] = []
     if not texts and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
             and streamable(source):
         try:
-            return _streamed(source, out, o)
+            return _streamed(source, out, o, examples)
         except NotStreamable as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = _load(src, o, device)
-    reference = reference_outputs(model)   # outputs before editing, not a copy of the model
+    # outputs before editing (on the samples and the user's examples), not a copy of the model
+    reference = reference_outputs(model, model_inputs(model, examples))
     # Healing distils from the unconverted model while training the converted one: both must exist
     # at once, so this is the one copy, made only when healing.
     original = copy.deepcopy(model) if texts else None
-    model, tokenizer, report = _converted(src, o, device, model, tokenizer)
+    model, tokenizer, report = _converted(src, o, device, model, tokenizer, examples)
     result = ConvertResult(report, None, None, notices=notices)
     _refuse_broken(src, report)
     if not report.converted:

@@ -30,6 +30,10 @@ class ConvertOptions:
         flag="--p", type=float, help="pRMSNorm fraction of features (default 0.0625)."))
     load: LoadOptions = LoadOptions()     # dtype, trust_remote_code, allow_missing_weights
     device: str = field(default="auto", metadata=DEVICE)   # where the model is converted and compared
+    # batches (or a file of them) traced and verified on besides normswap's samples (`convert`'s example_inputs)
+    example_inputs: object = field(default=None, metadata=dict(
+        flag="--inputs", type="path", metavar="FILE",
+        help="Example inputs to trace and verify on, besides normswap's own (safetensors or torch.save file)."))
     finetune_steps: int = field(default=0, metadata=dict(   # then heal this many distillation steps on `data`
         flag="--finetune-steps", type=int, min=0,
         help="Then heal: N distillation steps from the original on --data."))

@@ -30,7 +30,7 @@ from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import portable, safetensors
 from normswap.models.demo import DEMO_NAME
-from normswap.models.inputs import sample_inputs
+from normswap.models.inputs.examples import model_inputs
 from normswap.models.load import load_tokenizer
 from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
@@ -103,19 +103,20 @@ def _edited_tensors(model: nn.Module, lazy: Lazy, specs, edits: Recorder):
                     trim()   # the edits' float64 temporaries
 
 
-def _sample_inputs(model: nn.Module) -> list[dict]:
-    """`sample_inputs` for a model whose parameters are on meta: the inputs go to the CPU."""
+def _sample_inputs(model: nn.Module, examples: list | None) -> list[dict]:
+    """`model_inputs` (its samples and the user's `examples`) for a model whose parameters are on meta: the
+    inputs go to the CPU."""
     dtype = next(model.parameters()).dtype
     stand_in = types.SimpleNamespace(config=model.config, main_input_name=getattr(model, "main_input_name", ""),
                                      parameters=lambda: iter([torch.empty(0, dtype=dtype)]), forward=model.forward)
     try:
-        return sample_inputs(stand_in)
+        return model_inputs(stand_in, examples)
     except NormswapError as e:   # e.g. inputs only a trial forward can settle: in memory, they can be
         raise NotStreamable(str(e)) from None
 
 
 def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: bool = False,
-                skip: dict | None = None) -> Parity:
+                skip: dict | None = None, examples: list | None = None) -> Parity:
     """Parity of folder `out` (saved by normswap) against the folder `original` was read from (`read_folder`: not
     checked again) with neither model in memory (the `skip` outputs, name -> why, not compared: see
     `parity.reference_outputs`)."""
@@ -125,7 +126,7 @@ def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: 
     with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
         portable.rebuild(converted, raw["normswap"], str(out), build_norm)
     reference, source = reopen(original, dtype)
-    inputs = _sample_inputs(reference)
+    inputs = _sample_inputs(reference, examples)
     total = len(inputs) * (original.reader.total_size() + safetensors.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
         source.bar = bar
@@ -144,12 +145,13 @@ class _Verification:
     source, judged for an exact conversion (kept in `parity`)."""
 
     def __init__(self, src: Folder, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
-                 skip: dict):
+                 skip: dict, examples: list | None):
         self.src, self.report, self.dtype, self.show_progress, self.skip = src, report, dtype, show_progress, skip
+        self.examples = examples
         self.parity: Parity | None = None
 
     def __call__(self, folder: Path) -> None:
-        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip)
+        self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip, self.examples)
         refuse_nonfinite(self.parity)
         if self.report.method == "exact":
             self.report.verification = judge(self.parity, self.dtype, enforce=enforced(self.report))
@@ -158,12 +160,13 @@ class _Verification:
 def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm", method: str = "auto",
                    p: float | None = None, dtype: str | None = None, overwrite: bool | str = False,
                    max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
-                   show_progress: bool = False) -> tuple[ConversionReport, Parity | None]:
+                   show_progress: bool = False, examples: list | None = None) -> tuple[ConversionReport, Parity | None]:
     """Convert the safetensors folder `src` (a path, or a `Folder` already read) into `out` in bounded memory;
     (report, parity).
 
     Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
-    verified on sample inputs before `out` appears. Raises `lazy.NotStreamable` (before anything is
+    verified on sample inputs (and the user's `examples`, batches as `convert`'s example_inputs) before `out`
+    appears. Raises `lazy.NotStreamable` (before anything is
     written) for a folder that converts only in memory.
     """
     dtype = dtype_name(dtype)
@@ -173,13 +176,13 @@ def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm
         model.generation_config = GenerationConfig.from_pretrained(folder.path)
     for name, _ in model.named_modules():  # norms and biases: small, and what the plan looks at
         lazy.load(model, name, max_dim=1, keep=True)
-    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model)))
+    report, result = convert_with(model, to, method, p, steps=Deferred(lazy, _sample_inputs(model, examples)))
     if not report.converted:
         return report, None
     edits = result.edits if isinstance(result, ExactResult) else Recorder()
     specs = safetensors.saved_specs(model)
     stored = next(t.dtype for t in model.parameters() if t.is_floating_point())
-    verification = _Verification(folder, report, stored, show_progress, result.unverified)
+    verification = _Verification(folder, report, stored, show_progress, result.unverified, examples)
     with progress.bar(total=safetensors.total_bytes(specs), desc="convert", unit="B", unit_scale=True,
                       enabled=show_progress) as bar:
         lazy.bar = bar

@@ -82,7 +82,7 @@ def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = ()
     """Make every output of layer `target` (or of "param:<name>", a parameter whose dim `axis` holds output
     channels) zero-mean per group of `group` channels (or over each of `ranges`)."""
     if target.startswith("param:"):
-        param = model.get_parameter(target[6:])
+        param = named_tensor(model, target[6:])
         _centre_in_place(param, param.dim() + axis, group, ranges)
         return
     layer = model.get_submodule(target)
@@ -91,20 +91,35 @@ def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = ()
         _update(layer.bias, centred(layer.bias, 0, group, ranges))
 
 
-def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
-    """layer's outputs *= lam (per output channel)."""
+def scaled_outputs(layer: nn.Module, lam: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(parameter, its float64 value with the layer's outputs *= lam per output channel): weight and bias."""
     dim = 1 if is_conv1d(layer) else 0
     shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
-    _update(layer.weight, layer.weight.double() * lam.double().view(shape))
+    out = [(layer.weight, layer.weight.double() * lam.double().view(shape))]
     if getattr(layer, "bias", None) is not None:
-        _update(layer.bias, layer.bias.double() * lam.double())
+        out.append((layer.bias, layer.bias.double() * lam.double()))
+    return out
+
+
+def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
+    """layer's outputs *= lam (per output channel)."""
+    for param, value in scaled_outputs(layer, lam):
+        _update(param, value)
 
 
 def scale_parameter(model: nn.Module, target: str) -> nn.Parameter:
     """The per-channel factor of a scale step: "param:<name>", or a LayerScale module's one parameter."""
     if target.startswith("param:"):
-        return model.get_parameter(target[6:])
+        return named_tensor(model, target[6:])
     return next(model.get_submodule(target).parameters())
+
+
+def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter, or else the (persistent) buffer, of that qualified name: a "param:" step's target."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
 
 
 def bias_shift(layer: nn.Module, b: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,12 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.norms import RMSNorm, build_norm, norm_spec
+from normswap.norms import RMSNorm, build_norm, norm_spec, off_fast_path
 from normswap.ops import check_eps, partial_width
-from normswap.surgery.exact import auto, exact
+from normswap.models.inputs.examples import check_examples
+from normswap.models.section import section as model_section
+from normswap.models.section import set_section
+from normswap.surgery.exact import InMemory, auto, exact
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
@@ -30,12 +33,11 @@ def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
 
 
 def _record(model: nn.Module, report: ConversionReport) -> None:
-    """Write what was converted into model.config.normswap (saved with the config)."""
-    config = getattr(model, "config", None)
-    if config is None or not report.converted:
+    """Write what was converted into the model's normswap section (`models.section`: config.normswap, saved
+    with the config, or an attribute of a model without one)."""
+    if not report.converted:
         return
-    section = dict(getattr(config, "normswap", None) or {"format": 1, "norms": {}, "added_biases": [],
-                                                          "conversions": []})
+    section = dict(model_section(model) or {"format": 1, "norms": {}, "added_biases": [], "conversions": []})
     section["norms"] = {**section["norms"],
                         **{r.name: norm_spec(model.get_submodule(r.name)) for r in report.converted}}
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
@@ -43,7 +45,7 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
                                                         "p": report.p, "norms": report.num_converted}]
     if report.unverified:   # returned outputs this conversion changes: every load of the folder says so
         section["not_preserved"] = {**section.get("not_preserved", {}), **report.unverified}
-    config.normswap = section
+    set_section(model, section)
 
 
 def _check_target(to: str, p: float | None) -> float | None:
@@ -61,13 +63,16 @@ def _check_target(to: str, p: float | None) -> float | None:
 
 
 def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
-            filter_fn: FilterFn | None = None) -> ConversionReport:
+            filter_fn: FilterFn | None = None, example_inputs=None) -> ConversionReport:
     """Replace every LayerNorm over the last dim of `model` by RMSNorm (or pRMSNorm), in place.
 
     method: "auto" (default: exact where the traced plan allows it, else naive with a warning), "exact"
     (function-preserving, verified; refuses what it cannot do) or "naive" (bias dropped, the paper's swap).
-    filter_fn(module, name) -> bool limits which norms are touched. Running it again on a converted
-    model is a no-op.
+    filter_fn(module, name) -> bool limits which norms are touched. example_inputs: one batch or a list of
+    batches of what the forward takes (a tensor, a tuple of positional arguments, a dict of keyword
+    arguments), as torch.export takes them: exact traces, rehearses and verifies on them (besides normswap's
+    own samples for a transformers model); any other nn.Module converts exactly only with them. Running it
+    again on a converted model is a no-op.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
@@ -75,14 +80,15 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
     if meta is not None:  # probing needs values: a meta model would have every norm "skipped"
         raise NormswapError(f"the model's weights are on the meta device ({meta}, ...): load them before "
                             "converting (a saved folder converts with bounded memory through `convert_checkpoint`)")
-    return convert_with(model, to, method, p, filter_fn)[0]
+    check_examples(example_inputs)
+    return convert_with(model, to, method, p, filter_fn, InMemory(example_inputs))[0]
 
 
 def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
                  filter_fn: FilterFn | None = None,
                  steps: ExactSteps | None = None) -> tuple[ConversionReport, MethodResult | None]:
-    """`convert`, with the exact method's `steps` given (default: in memory); (report, what the method did,
-    None when there was nothing to convert)."""
+    """`convert`, with the exact method's `steps` given (default: in memory, on the model's own samples);
+    (report, what the method did, None when there was nothing to convert)."""
     p = _check_target(to, p)
     if method not in METHODS:
         raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(METHODS))}")
@@ -112,6 +118,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             name=site.name, replaced=type(site.module).__name__, width=site.width, eps=site.eps, to=to,
             method=result.per_norm_method.get(site.name, result.method),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
+    off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
     _record(model, report)
     result.after_swap(model, report)
     return report, result

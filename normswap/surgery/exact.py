@@ -10,8 +10,8 @@ steps:
 1. centre the sources along their output dim (per group of channels each norm row covers: per head for
    q/k norms, only the q and k slices of a fused q/k/v projection): Linear (out, in) along dim 0, Conv1D
    (in, out) along dim 1, untied Embedding rows, ConvNd output channels (not grouped ones), parameters
-   added to the stream along their last dim (or the dim a product makes channels: stacked expert
-   weights), biases included; a per-channel scale (LayerScale, `lambda * x`) folded into its layer first;
+   and persistent buffers added to the stream along their last dim (or the dim a product makes channels:
+   stacked expert weights), biases included; a per-channel scale (LayerScale, `lambda * x`) folded into its layer first;
 2. fold each norm bias into the layers reading that norm, c' = c + W b, creating a zero bias where there
    is none (listed in added_biases); where a reader is not linear, also reads something else, or the
    norm's output is returned, the bias is kept after the norm as an output fix instead.
@@ -29,7 +29,7 @@ pre_layrnorm) is a stream writer: its output is centred and its centred bias kep
 output is summed into the stream *and* read by a layer or the output is post-LN: the stream carries
 g*x_hat + b, whose mean depends on the input, so no exact form exists and the model is refused, naming
 the norm. So is a model whose own output (or any layer) reads the unnormalised stream, and one with a
-parameter wide enough to write the stream that no sample input ran (`plan`).
+parameter or buffer wide enough to write the stream that no sample input ran (`plan`).
 
 What changes: hidden states inside the model are the centred originals (`not_preserved` lists them, and
 a sub-model's returned stream); every other returned output is unchanged.
@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.models.inputs import sample_inputs
+from normswap.models.inputs.examples import NoInputs, model_inputs
 from normswap.models.introspect import norm_kind
 from normswap.parity import Reference, compare_to
 from normswap.surgery import verification
@@ -104,13 +104,15 @@ def _refused(sites: list[NormSite], reason: str) -> Plan:
     return Plan({s.name: NormPlan(s.name, s.width, reason=Refusal(Cause.PLAN, reason)) for s in sites}, [])
 
 
-def plan(model: nn.Module, sites: list[NormSite], inputs: dict | list[dict] | None = None) -> Plan:
-    """Trace `model` on `inputs` (default: all its sample inputs, the ones verification uses), merge what
-    every forward showed and derive the plan; the plan's `reason` is set where a norm cannot be made exact."""
+def plan(model: nn.Module, sites: list[NormSite], inputs: list[dict] | None = None,
+         examples=None) -> Plan:
+    """Trace `model` on `inputs` (default: `model_inputs(model, examples)`: its samples and the user's examples,
+    the ones verification uses), merge what every forward showed and derive the plan; the plan's `reason` is
+    set where a norm cannot be made exact."""
     if inputs is None:
         try:
-            inputs = sample_inputs(model)
-        except Exception as e:  # a model sample_inputs cannot feed
+            inputs = model_inputs(model, examples)
+        except NoInputs as e:  # a model normswap cannot feed, and no example inputs
             return _refused(sites, f"no sample input to trace it ({first_line(e, strip=True)})")
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
     try:
@@ -189,22 +191,26 @@ def rehearse(model: nn.Module, sites: list[NormSite], p: Plan, reference: Refere
 
 
 @torch.no_grad()
-def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan) -> ExactResult:
+def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan, examples=None) -> ExactResult:
     """The plan carried out in memory, rehearsed first against the outputs recorded before any edit (not a
-    copy of the model), which the swapped model is verified against."""
-    reference = verification.reference(model, p.not_kept)
+    copy of the model, on its samples and the user's `examples`), which the swapped model is verified against."""
+    reference = verification.reference(model, p.not_kept, examples)
     rehearse(model, sites, p, reference)
     return interpret(model, p, reference=reference)
 
 
 class InMemory:
-    """The exact method's steps on a model in memory: trace it, edit its weights (see `ExactSteps`)."""
+    """The exact method's steps on a model in memory: trace it, edit its weights (see `ExactSteps`), on its
+    sample inputs and the user's `examples` (`example_inputs`)."""
+
+    def __init__(self, examples=None):
+        self.examples = examples
 
     def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
-        return plan(model, sites)
+        return plan(model, sites, examples=self.examples)
 
     def apply(self, model: nn.Module, sites: list[NormSite], p: Plan) -> MethodResult:
-        return convert_exact(model, sites, p)
+        return convert_exact(model, sites, p, self.examples)
 
 
 def exact(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:

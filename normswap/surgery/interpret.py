@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from normswap.io.portable import ensure_bias
+from normswap.models.section import section
 from normswap.parity import Reference
 from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix
@@ -116,13 +117,14 @@ def interpret(model: nn.Module, p: Plan, edits: Recorder | None = None,
 
 def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
     """After the swap: the output fixes (centre and/or bias after a module), the input fixes, recorded in
-    config.normswap so that loading re-applies them."""
+    the model's normswap section so that loading re-applies them."""
     for name, (centre, bias) in fixes.items():
         add_output_fix(model.get_submodule(name), centre, bias)
     for name in inputs:
         add_input_fix(model.get_submodule(name))
-    model.config.normswap["output_fixes"] = {**model.config.normswap.get("output_fixes", {}),
-                                             **{n: describe_fix(model.get_submodule(n)) for n in [*fixes, *inputs]}}
+    record = section(model)
+    record["output_fixes"] = {**record.get("output_fixes", {}),
+                              **{n: describe_fix(model.get_submodule(n)) for n in [*fixes, *inputs]}}
 
 
 def output_fix(model: nn.Module, step: Step) -> tuple[bool, torch.Tensor | None]:

@@ -13,9 +13,9 @@ from enum import Enum
 
 class Label(str):
     """A value a followed tensor is a linear combination of: a known layer's output ("layer"), a norm's
-    output ("norm"), a parameter used directly ("param", with `axis`: the dim of it that holds the channels
-    when that is not the last), a layer output scaled by a per-channel parameter ("scale"), or an opaque value
-    entering a block ("entry"). Its text: "<kind>:<name>", plus "#<axis>"."""
+    output ("norm"), a parameter or persistent buffer used directly ("param", with `axis`: the dim of it that
+    holds the channels when that is not the last), a layer output scaled by a per-channel parameter ("scale"),
+    or an opaque value entering a block ("entry"). Its text: "<kind>:<name>", plus "#<axis>"."""
 
     __slots__ = ("kind", "name", "axis")
     KINDS = ("layer", "norm", "param", "scale", "entry")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from normswap.models.introspect import is_linear, norm_kind
+from normswap.models.introspect import floating_buffers, is_linear, norm_kind
 from normswap.surgery.labels import Cause, Label, Refusal, User
 from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
@@ -122,7 +122,8 @@ def _mixed(t: Trace, user: User, what: str, modules: tuple) -> Refusal | None:
 
 
 def _stream(user: User, name: str) -> Refusal:
-    return Refusal(Cause.STREAM, f"{user} is the unnormalised residual stream (written by {name}); only outputs read "
+    by = name or "the model's own input"   # "": an "entry" of the whole model (the stream it is called with)
+    return Refusal(Cause.STREAM, f"{user} is the unnormalised residual stream (written by {by}); only outputs read "
                    "through a final norm can be kept exact", (name,))
 
 
@@ -276,21 +277,25 @@ def _fixed(model: nn.Module, label: Label) -> bool:
 
 
 def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[Refusal]:
-    """Parameters that never ran, are as wide as a normalised stream, and that the model's code can reach
-    (`reach`: read at all, and not only behind an optional argument its parent never passes): the trace
-    cannot tell what they write (a path only some inputs take: image tokens, masked
-    positions)."""
+    """Parameters and floating buffers (a position table, one added only to long inputs) that never ran, are
+    as wide as a normalised stream, and that the model's code can reach (`reach`: read at all, and not only
+    behind an optional argument its parent never passes): the trace cannot tell what they write (a path only
+    some inputs take: image tokens, masked positions, longer inputs)."""
     widths = {t.widths[label] for label in needs if label in t.widths}
     skip = {s.name for s in sites}
-    found: dict[str, str] = {}   # what a message names -> the module or parameter
-    unrun = [(name, param) for name, param in model.named_parameters()
-             if name not in t.ran and name.rpartition(".")[0] not in skip and widths & set(param.shape)]
+    found: dict[str, str] = {}   # what a message names -> the module, parameter or buffer
+    buffers = [(name, model.get_buffer(name)) for name in floating_buffers(model)]
+    unrun = [(name, tensor) for name, tensor in [*model.named_parameters(), *buffers]
+             if name not in t.ran and name.rpartition(".")[0] not in skip and widths & set(tensor.shape)]
     names = read_names(model) if unrun else None
-    for name, _ in unrun:
+    for name, tensor in unrun:
         owner = name.rpartition(".")[0]
         if dead(model, name, names) or unreachable(model, name):   # no input can run it
             continue
         module = model.get_submodule(owner)
+        if not isinstance(tensor, nn.Parameter):
+            found.setdefault(f"{name} (buffer)", name)
+            continue
         what = f"{owner} ({type(module).__name__})" if next(module.children(), None) is None and \
             len(list(module.parameters(recurse=False))) > 1 else name
         found.setdefault(what, owner if what != name else name)

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from normswap.models.introspect import in_width, is_scale, norm_kind
+from normswap.io.portable import first_input
+from normswap.models.introspect import floating_buffers, in_width, is_scale, norm_kind
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
@@ -52,11 +53,17 @@ class Recorder(TorchFunctionMode):
         super().__init__()
         self.trace = Trace()
         self.flows: dict[int, tuple[torch.Tensor, Flow]] = {}
-        self.params = {id(p): n for n, p in model.named_parameters()}
-        self.labels = {i: Label("param", n) for i, n in self.params.items()}
-        self.by_name = dict(model.named_parameters())
+        # persistent buffers (saved with the weights) are followed as parameters are, and centred the same way;
+        # a non-persistent one is rebuilt by the model's code, so no edit of it lasts: it stays unfollowed
+        buffers = floating_buffers(model)
+        kept = {n: model.get_buffer(n) for n, persistent in buffers.items() if persistent}
+        self.by_name = {**dict(model.named_parameters()), **kept}
+        self.labels = {id(p): Label("param", n) for n, p in self.by_name.items()}
+        self.params = {**{id(model.get_buffer(n)): n for n in buffers}, **{i: lb.name for i, lb in self.labels.items()}}
+        self.rebuilt = {i: n for i, n in self.params.items() if i not in self.labels}   # non-persistent buffers
         self.owner = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
-        self.norms = norms
+        self.norms, self.model = norms, model
+        self.given: set[int] = set()     # ids of the floating tensors the model itself was called with
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending: dict[int, tuple[torch.Tensor, Flow, User]] = {}   # slices not read yet
@@ -69,7 +76,7 @@ class Recorder(TorchFunctionMode):
         held = self.flows.get(id(x))
         if held is not None and held[0] is x:
             return held[1]
-        if id(x) in self.params:
+        if id(x) in self.labels:
             return Flow(frozenset({self.labels[id(x)]}))
         return None
 
@@ -181,13 +188,13 @@ class Recorder(TorchFunctionMode):
             first = self.get(target) if target is not None else None   # type_as(y), to(y): y gives a dtype
             return [] if first is None else first if not first.pure else [first] * len(outs)
         if name in rules.MOVE:
-            if dark:
+            if dark or (dark := self.rebuilt_in(untracked)):
                 return dark
             if untracked and name not in INDEXED:
                 return f"{name} with a value the trace does not follow"
             return rules.rearranged(func, name, args, kwargs, pure, outs)
         if name in rules.SUM:
-            if dark:
+            if dark or (dark := self.rebuilt_in(untracked)):
                 return dark
             if untracked or any(isinstance(a, (int, float)) and a and a is not kwargs.get("alpha")
                                         for a in args[1:]):
@@ -205,6 +212,12 @@ class Recorder(TorchFunctionMode):
         else:
             return name
         return flow if isinstance(flow, str) else [flow] * len(outs)
+
+    def rebuilt_in(self, values: list[torch.Tensor]) -> Flow | None:
+        """An opaque value naming the first non-persistent buffer among `values` (unfollowed tensors summed or
+        moved with the stream), as the cause a refusal gives; None if there is none."""
+        name = next((self.rebuilt[id(x)] for x in values if id(x) in self.rebuilt), None)
+        return name and opaque(frozenset(), f"the buffer {name} (not persistent: the model rebuilds it)")
 
     def _scale(self, name, args, pure, others, out) -> Flow | str:
         if len(pure) == 2:   # stream * per-channel parameter: a scale, folded like LayerScale
@@ -271,7 +284,7 @@ class Recorder(TorchFunctionMode):
         for x, f in tracked:
             self.use(x, f, User("attention", where=self.here()))
         weight = kwargs.get("out_proj_weight", args[11] if len(args) > 11 else None)
-        if id(weight) in self.params:
+        if id(weight) in self.owner:
             layer = Label("layer", self.owner[id(weight)])
             self.set(outs[0], Flow(frozenset({layer}), hd=-1))
             self.trace.widths[layer] = outs[0].shape[-1]
@@ -280,11 +293,16 @@ class Recorder(TorchFunctionMode):
 
     def entry(self, name: str, args, kwargs) -> None:
         """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
-        an "entry" label, centred by a pre-hook on the block if a norm reads it."""
+        an "entry" label, centred by a pre-hook on the block if a norm reads it. So does a floating tensor the
+        model itself was called with, entering a block unchanged (the stream nn.TransformerEncoder is given)."""
         self.stack.append(name)
-        x = next(iter(tensors_in((args, kwargs))), None)
-        flow = None if x is None else self.get(x)
-        if self.inside is None and flow is not None and flow.opaque and x.dim() > 1:
+        if not name:   # the model's own floating inputs: a stream the caller passes in (nn.TransformerEncoder's src)
+            self.given = {id(t) for t in tensors_in((args, kwargs)) if t.is_floating_point()}
+        key = first_input(self.model.get_submodule(name), args, kwargs)
+        x = args[0] if key == 0 else kwargs.get(key)
+        flow = self.get(x) if isinstance(x, torch.Tensor) else None
+        given = flow is None and isinstance(x, torch.Tensor) and id(x) in self.given
+        if self.inside is None and (given or flow is not None and flow.opaque) and x.dim() > 1:
             self.set(x, Flow(frozenset({Label("entry", name)})))
             self.trace.widths[Label("entry", name)] = x.shape[-1]
 

@@ -5,8 +5,9 @@ edits leaves a model that is neither the original nor naive. `rehearsal` runs th
 instead: each step's effect on its module's output, computed by the same functions the edits use
 (`algebra.centred`, `algebra.bias_shift`, `centring.fixed`, the RMSNorm op), with the norms computing
 RMSNorm. Parameters used by hand (a scale factor; a layer whose weights another module uses without
-calling it, as nn.MultiheadAttention's out_proj) get their edited values for the rehearsal only. On exit
-every hook is removed and every parameter holds its original tensor again: the model is bit-identical.
+calling it, as nn.MultiheadAttention's out_proj, centred and scaled by a LayerScale after the attention)
+get their edited values for the rehearsal only. On exit every hook is removed and every parameter holds its
+original tensor again: the model is bit-identical.
 Cost: one forward per sample input, plus a copy of each parameter swapped (small ones, in practice).
 """
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 
 from normswap import ops
-from normswap.surgery.algebra import bias_shift, centred, centred_copy, output_dim, scale_parameter
+from normswap.surgery.algebra import (bias_shift, centred, centred_copy, named_tensor, output_dim, scale_parameter,
+                                      scaled_outputs)
 from normswap.surgery.centring import centre_input, fixed
 from normswap.surgery.plan import Plan, Step
 from normswap.surgery.walk import NormSite
@@ -89,7 +91,11 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
                 hooks.setdefault(step.target, []).insert(0, _shift_hook(bias_shift(layer, b)))
             elif step.op == "scale":
                 lam = scale_parameter(model, step.target)
-                hooks.setdefault(step.norm, []).append(_scale_hook(lam.detach().clone()))
+                if step.norm in uncalled:   # nn.MultiheadAttention's out_proj: its weights are used by hand
+                    for param, value in scaled_outputs(model.get_submodule(step.norm), lam):
+                        swaps.put(param, value)
+                else:
+                    hooks.setdefault(step.norm, []).append(_scale_hook(lam.detach().clone()))
                 swaps.put(lam, torch.ones_like(lam))
             elif step.op == "centre" and (step.param is not None or step.target in uncalled):
                 _centre_by_value(model, step, swaps)
@@ -115,7 +121,7 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
 
 def _centre_by_value(model: nn.Module, step: Step, swaps: _Swaps) -> None:
     if step.param is not None:
-        param = model.get_parameter(step.param)
+        param = named_tensor(model, step.param)
         swaps.put(param, centred_copy(param, param.dim() + step.axis, step.group, step.ranges))
         return
     layer = model.get_submodule(step.target)

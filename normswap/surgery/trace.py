@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_linear, is_scale
+from normswap.models.modes import eval_mode
 from normswap.parity import by_rows, tensors_in
 from normswap.surgery.flow import NormInput
 from normswap.surgery.labels import Label
@@ -60,21 +61,19 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
             handles.append(module.register_forward_pre_hook(
                 lambda m, a, k, n=name: active[0].entry(n, a, k), with_kwargs=True))
             handles.append(module.register_forward_hook(lambda m, a, o: active[0].leave()))
-    training = model.training
     rec = active[0]
     try:
-        model.eval()
-        for x in inputs:   # a head that takes one row at a time (GPT-2 classifier, no pad token): by rows
-            by_rows(lambda batch: _forward(rec, model, batch), x)
-        rec.finish()
-        unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
-        if inputs and unrun:
-            active[0] = Recorder(model, norms)
-            _training_forward(active[0], model, inputs[0])
-            active[0].finish()
-            adopt(rec.trace, active[0].trace, unrun)
+        with eval_mode(model):
+            for x in inputs:   # a head that takes one row at a time (GPT-2 classifier, no pad token): by rows
+                by_rows(lambda batch: _forward(rec, model, batch), x)
+            rec.finish()
+            unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
+            if inputs and unrun:
+                active[0] = Recorder(model, norms)
+                _training_forward(active[0], model, inputs[0])
+                active[0].finish()
+                adopt(rec.trace, active[0].trace, unrun)
     finally:
-        model.train(training)
         for h in handles:
             h.remove()
     return rec.trace

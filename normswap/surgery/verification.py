@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.models.inputs.examples import model_inputs
+from normswap.models.modes import eval_mode
 from normswap.parity import Reference, compare_to, reference_outputs
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -32,26 +34,26 @@ def enforced(report) -> bool:
 
 @contextmanager
 def fp32_eval(model: nn.Module):
-    """Run `model` with its fp16/bf16 tensors in fp32 and in eval mode, in place; restore dtypes and mode.
+    """Run `model` with its fp16/bf16 tensors in fp32 and in eval mode, in place; restore dtypes and modes.
 
     fp16/bf16 -> fp32 -> fp16/bf16 is exact, so the model comes back bit-identical without a copy."""
     half = [t for t in [*model.parameters(), *model.buffers()] if t.dtype in (torch.float16, torch.bfloat16)]
-    dtypes, training = [t.dtype for t in half], model.training
+    dtypes = [t.dtype for t in half]
     try:
         for t in half:
             t.data = t.data.float()
-        yield model.eval()
+        with eval_mode(model):
+            yield model
     finally:
         for t, dtype in zip(half, dtypes):
             t.data = t.data.to(dtype)
-        model.train(training)
 
 
-def reference(model: nn.Module, skip: dict | None = None) -> Reference:
-    """The unedited model's fp32 outputs (but the `skip` ones: name -> why, reported as not preserved); a
-    source that gives NaN/inf cannot be called exact."""
+def reference(model: nn.Module, skip: dict | None = None, examples=None) -> Reference:
+    """The unedited model's fp32 outputs on its samples and the user's `examples` (but the `skip` outputs:
+    name -> why, reported as not preserved); a source that gives NaN/inf cannot be called exact."""
     with fp32_eval(model):
-        ref = reference_outputs(model, skip=skip)
+        ref = reference_outputs(model, model_inputs(model, examples), skip=skip)
     if ref.nonfinite:
         raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
                             "sample inputs: it is broken, so no conversion of it can be verified as exact")

@@ -91,7 +91,7 @@ def test_spectrogram_and_raw_waveform_audio():
 def test_multi_codebook_ids_and_trajectories_and_time_series():
     music = build(tf.MusicgenForCausalLM, num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64,
                   num_hidden_layers=2, num_attention_heads=2)
-    one, two = sample_inputs(music)
+    one, two, *_ = sample_inputs(music)
     assert one["input_ids"].shape[0] == 2 and two["input_ids"].shape[0] == 4    # batch x codebooks rows
     assert two["attention_mask"].shape == (2, two["input_ids"].shape[1])
     dt = build(tf.DecisionTransformerModel, state_dim=5, act_dim=3, hidden_size=32, n_layer=2, n_head=2,
@@ -120,7 +120,7 @@ def test_masked_positions_reach_a_backbone_through_kwargs():
     """Dinov2ForImageClassification takes bool_masked_pos only through **kwargs, which it hands to Dinov2Model:
     the first batch passes it, so the mask token runs and the classifier converts exactly."""
     model = build(tf.Dinov2ForImageClassification, **{k: v for k, v in DINO.items() if "out_" not in k})
-    one, two = sample_inputs(model)
+    one, two, *_ = sample_inputs(model)
     assert one["bool_masked_pos"].shape == (2, 4) and one["bool_masked_pos"].any() and "bool_masked_pos" not in two
     assert "dinov2.embeddings.mask_token" in used(model, [one])
     assert normswap.convert(model, method="exact").method == "exact"
@@ -132,7 +132,7 @@ def test_a_decoder_that_cross_attends_gets_encoder_states():
     cross-attention rejects them and gets none."""
     music = build(tf.MusicgenForCausalLM, num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64,
                   num_hidden_layers=2, num_attention_heads=2)
-    one, two = sample_inputs(music)
+    one, two, *_ = sample_inputs(music)
     assert one["encoder_hidden_states"].shape[::2] == (1, 32) and "encoder_hidden_states" not in two
     assert used(music, [one, two]) == {n for n, _ in music.named_parameters()}
     report = normswap.convert(music, method="exact")
@@ -169,7 +169,7 @@ def test_masked_image_paths_run(cls):
     """bool_masked_pos in the first batch (the mask token writes the stream), none in the second."""
     extra = dict(encoder_stride=8) if cls is not tf.Dinov2Model else {}
     model = build(cls, **VIT, **extra, **(dict(use_mask_token=True) if cls is tf.BeitForMaskedImageModeling else {}))
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["bool_masked_pos"].shape == (2, 16) and "bool_masked_pos" not in second
     mine = used(model, [first, second])
     assert any(n.endswith("mask_token") for n in mine)
@@ -187,7 +187,7 @@ def test_fuyu_gets_patches_and_image_tokens():
     """Fuyu's image path (vision_embed_tokens) runs: flattened patches and as many image tokens as patches."""
     model = build(tf.FuyuForCausalLM, image_size=16, patch_size=8, num_channels=3, image_token_id=98,
                   text_config=dict(vocab_size=99, max_position_embeddings=64, **TINY))
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["pixel_values"].shape == (1, 4, 3 * 8 * 8) and int((first["input_ids"] == 98).sum()) == 4
     assert "pixel_values" not in second and not (second["input_ids"] == 98).any()   # text alone, padded
     assert {"model.vision_embed_tokens.weight", "model.vision_embed_tokens.bias"} <= used(model, [first])
@@ -199,7 +199,7 @@ def test_llava_image_tokens_counted_by_the_model():
     model = build(tf.LlavaForConditionalGeneration, vision_config=dict(model_type="clip_vision_model", **vision),
                   text_config=dict(model_type="llama", **text), image_token_id=110, image_seq_length=3,
                   vision_feature_layer=-1)
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert int((first["input_ids"] == 110).sum()) == 16          # 16 patches, not the config's stale 3
     assert first["pixel_values"].shape == (1, 3, 32, 32) and not (second["input_ids"] == 110).any()
     assert any(n.startswith("model.vision_tower") for n in used(model, [first]))
@@ -212,20 +212,20 @@ def test_image_forms_the_model_asks_for():
     text = dict(TINY, vocab_size=120, num_key_value_heads=2, max_position_embeddings=512)
     idefics = build(tf.Idefics3ForConditionalGeneration, vision_config=vision, image_token_id=110, scale_factor=2,
                     text_config=dict(model_type="llama", **text))
-    first, _ = sample_inputs(idefics)
+    first, *_ = sample_inputs(idefics)
     assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and int((first["input_ids"] == 110).sum()) == 4
     assert any(n.startswith("model.vision_model.encoder") for n in used(idefics, [first]))
     one = build(tf.LlavaOnevisionForConditionalGeneration, vision_config=dict(model_type="siglip_vision_model",
                 **vision), text_config=dict(model_type="qwen2", **text), image_token_id=110,
                 image_grid_pinpoints=[[32, 64], [64, 32]], vision_feature_layer=-1)
-    first, _ = sample_inputs(one)
+    first, *_ = sample_inputs(one)
     assert first["pixel_values"].shape == (1, 3, 3, 32, 32) and first["image_sizes"].tolist() == [[32, 32]]
     assert any(n.startswith("model.vision_tower.encoder") for n in used(one, [first]))
 
 
 def test_token_types_padding_and_decoder_inputs():
     bert = build(tf.BertModel, vocab_size=60, type_vocab_size=2, max_position_embeddings=64, **TINY)
-    first, second = sample_inputs(bert)
+    first, second, *_ = sample_inputs(bert)
     types_ = second["token_type_ids"]
     assert (types_[:, 0] == 0).all() and (types_[:, -1] == 1).all() and types_.shape == second["input_ids"].shape
     assert (second["input_ids"][second["attention_mask"] == 0] == bert.config.pad_token_id).all()
@@ -307,7 +307,7 @@ def test_grid_decoders_get_image_tokens_grids_and_token_types():
                   temporal_patch_size=2)
     model = build(tf.Qwen2VLModel, text_config=text, vision_config=vision, image_token_id=98, video_token_id=97,
                   vision_start_token_id=96)
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["pixel_values"].shape == (16, 3 * 2 * 8 * 8) and first["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert int((first["input_ids"] == 98).sum()) == 4
     assert torch.equal(first["mm_token_type_ids"], (first["input_ids"] == 98).long())
@@ -323,7 +323,7 @@ def test_audio_decoders_get_features_and_audio_tokens_counted_by_the_model():
     model = build(tf.Qwen2AudioForConditionalGeneration, audio_config=audio, audio_token_index=98,
                   text_config=dict(model_type="qwen2", vocab_size=99, num_key_value_heads=2,
                                    max_position_embeddings=128, **TINY))
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["input_features"].shape == (1, 16, 32) and first["feature_attention_mask"].shape == (1, 32)
     assert int((first["input_ids"] == 98).sum()) == 1
     assert "input_features" not in second and not (second["input_ids"] == 98).any()
@@ -347,7 +347,7 @@ def test_videos_at_video_tokens_run_the_video_tower():
                   vision_config=dict(model_type="clip_vision_model", **dict(TINY, image_size=16, patch_size=8)),
                   text_config=dict(model_type="llama", vocab_size=99, num_key_value_heads=2,
                                    max_position_embeddings=256, **TINY))
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["pixel_values_videos"].shape == (1, 8, 3, 16, 16) and int((first["input_ids"] == 97).sum()) == 40
     assert "pixel_values" in first and "pixel_values_videos" not in second
     assert any(n.startswith("model.video_tower.") for n in used(model, [first]))
@@ -369,7 +369,7 @@ def test_cross_attended_images_get_an_images_axis_and_their_mask():
                                      num_attention_heads=2, intermediate_size=64),
                   perceiver_config=dict(use_resampler=False), cross_layer_interval=1,
                   freeze_text_layers=False, freeze_vision_layers=False)   # its default trains only the new layers
-    first, second = sample_inputs(model)
+    first, second, *_ = sample_inputs(model)
     assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and second["pixel_values"].shape[:2] == (2, 1)
     assert torch.equal(first["image_attention_mask"], torch.ones(1, 16, 1).long())
     names = used(model, [first])
@@ -385,7 +385,7 @@ def test_a_video_model_whose_only_token_is_a_video_token_reads_its_clips_there()
                   qformer_config=dict(TINY, vocab_size=99, encoder_hidden_size=32),
                   text_config=dict(model_type="opt", vocab_size=99, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                                    num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=128))
-    first, _ = sample_inputs(model)
+    first, *_ = sample_inputs(model)
     frames = first["pixel_values"].shape[1]
     assert first["pixel_values"].dim() == 5 and int((first["input_ids"] == 98).sum()) == 4 * frames
     assert any(n.startswith("vision_model.encoder") for n in used(model, [first]))
@@ -398,7 +398,7 @@ def test_images_placed_by_a_position_mask_and_region_features():
                    text_config=dict(vocab_size=99, embed_dim=32, layers=2, attention_heads=2, ffn_dim=64,
                                     max_position_embeddings=128),
                    vision_config=dict(TINY, image_size=16, patch_size=8))
-    first, _ = sample_inputs(kosmos)
+    first, *_ = sample_inputs(kosmos)
     mask = first["image_embeds_position_mask"]
     assert mask.shape == first["input_ids"].shape and mask[0].tolist() == [0] + [1] * 4 + [0] * (mask.shape[1] - 5)
     assert any(n.startswith("image_to_text_projection") for n in used(kosmos, [first]))
@@ -408,7 +408,7 @@ def test_images_placed_by_a_position_mask_and_region_features():
     assert x["visual_feats"].shape == (1, 8, 12) and x["visual_pos"].shape == (1, 8, 4)
     assert any(n.startswith("encoder.visn_fc") for n in used(lxmert, [x]))
     xmod = build(tf.XmodModel, **TINY, vocab_size=99, languages=["en_XX", "de_DE"])
-    assert sample_inputs(xmod)[-1]["lang_ids"].tolist() == [0, 1]
+    assert sample_inputs(xmod)[1]["lang_ids"].tolist() == [0, 1]
     canine = build(tf.CanineModel, **TINY, downsampling_rate=2, num_hash_buckets=64)
     assert int(sample_inputs(canine)[0]["input_ids"].max()) < 128
 
@@ -423,14 +423,14 @@ def test_navit_packed_images_get_a_strip_of_patches_and_their_sizes():
     assert any(n.startswith("vit_merger.") for n in used(tower, [x]))
     model = build(tf.MiniCPMV4_6Model, vision_config=vision, insert_layer_id=0, image_token_id=98,
                   text_config=dict(model_type="qwen2", vocab_size=99, num_key_value_heads=2, **TINY))
-    first, _ = sample_inputs(model)
+    first, *_ = sample_inputs(model)
     assert first["target_sizes"].tolist() == [[4, 4]] and int((first["input_ids"] == 98).sum()) == 1
     assert any(n.startswith("vision_tower.encoder") for n in used(model, [first]))
     rope = dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25, mrope_section=[0, 0, 1])
     v47 = build(tf.MiniCPMV4_7Model, vision_config=vision, insert_layer_id=0, image_token_id=98,
                 text_config=dict(TINY, model_type="qwen3_5_text", vocab_size=99, num_key_value_heads=2, head_dim=8,
                                  layer_types=["linear_attention", "full_attention"], rope_parameters=rope))
-    first, _ = sample_inputs(v47)   # 4.7 also wants the image tokens marked in `mm_token_type_ids`
+    first, *_ = sample_inputs(v47)   # 4.7 also wants the image tokens marked in `mm_token_type_ids`
     assert torch.equal(first["mm_token_type_ids"], (first["input_ids"] == 98).long()) and "target_sizes" in first
     assert any(n.startswith("vision_tower.encoder") for n in used(v47, [first]))
 
@@ -450,7 +450,7 @@ def test_omni_thinker_gets_patches_and_mel_features_in_the_order_its_towers_read
                                    num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=16,
                                    num_experts=4, num_experts_per_tok=2, rope_parameters=rope,
                                    max_position_embeddings=256))
-    first, _ = sample_inputs(model)
+    first, *_ = sample_inputs(model)
     assert first["pixel_values"].shape[1] == 3 * 2 * 8 * 8 and int((first["input_ids"] == 97).sum()) == 4
     mels, frames = first["input_features"].shape[1:]
     assert mels == 16 and first["feature_attention_mask"].shape == (1, frames)
@@ -493,14 +493,14 @@ def test_tiles_with_their_mask_and_a_second_high_resolution_tower():
     docling = build(tf.GraniteDoclingForConditionalGeneration, image_token_id=110, text_config=text, pad_token_id=0,
                     vision_config=dict(TINY, image_size=32, patch_size=8, out_hidden_size=32, scale_factor=2,
                                        deepstack_visual_indexes=[0]))
-    first, _ = sample_inputs(docling)
+    first, *_ = sample_inputs(docling)
     assert first["pixel_values"].shape == (1, 1, 3, 32, 32) and first["pixel_attention_mask"].tolist() == [[True]]
     assert any(".vision_model.encoder" in "." + n for n in used(docling, [first]))
     hybrid = build(tf.DeepseekVLHybridForConditionalGeneration, image_token_id=110,
                    text_config=dict(model_type="llama", **text), vision_config=dict(TINY, image_size=32, patch_size=8),
                    high_res_vision_config=dict(TINY, image_size=64, patch_size=8, output_channels=32, window_size=2,
                                                global_attn_indexes=[1], mlp_dim=64))
-    first, _ = sample_inputs(hybrid)
+    first, *_ = sample_inputs(hybrid)
     assert first["high_res_pixel_values"].shape == (1, 3, 64, 64) and int((first["input_ids"] == 110).sum()) >= 1
     assert any("high_res_vision_model" in n for n in used(hybrid, [first]))
 

@@ -60,7 +60,8 @@ def test_sample_inputs_match_signature():
     assert (batches[1]["decoder_input_ids"][:, 0] == 3).all()
 
     m = sample_inputs(tiny("mbart"))
-    assert [set(b) for b in m] == [{"input_ids", "attention_mask", "decoder_input_ids"}] * 2
+    assert [set(b) for b in m] == [{"input_ids", "attention_mask", "decoder_input_ids"}] * 3
+    assert m[2]["input_ids"].shape == (1, tiny("mbart").config.max_position_embeddings)   # the long row
     assert m[1]["decoder_input_ids"].shape == m[1]["input_ids"].shape and (m[1]["decoder_input_ids"][:, 0] == 3).all()
     assert m[1]["attention_mask"][1:].sum() < m[1]["attention_mask"][0].sum()   # a padded row
     assert int(max(b["input_ids"].max() for b in m)) < V

@@ -129,8 +129,8 @@ def test_shipped_file_is_the_portable_module_verbatim(converted):
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [n])}
-    assert imported <= {"__future__", "hashlib", "json", "math", "os", "struct", "warnings", "pathlib", "torch",
-                        "transformers"}
+    assert imported <= {"__future__", "hashlib", "inspect", "json", "math", "os", "struct", "warnings", "pathlib",
+                        "torch", "transformers"}
     # And normswap rebuilds folders with it: the hooks the conversion installs are its functions.
     from normswap.surgery import centring
     assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix

@@ -3,17 +3,17 @@ from __future__ import annotations
 import pytest
 
 from normswap import parity
-from normswap.surgery import exact
+from normswap.surgery import exact, verification
 
 
 @pytest.fixture
 def feed(monkeypatch):
     """Make the trace and the verification use the given inputs (a dict, or a list of dicts) instead of
-    `sample_inputs`."""
+    `model_inputs` (the model's samples and the user's examples)."""
     def use(inputs):
         listed = inputs if isinstance(inputs, list) else [inputs]
-        for mod in (parity, exact):
-            monkeypatch.setattr(mod, "sample_inputs", lambda model, *a, **k: listed)
+        for mod in (parity, exact, verification):
+            monkeypatch.setattr(mod, "model_inputs", lambda model, *a, **k: listed)
         return listed
     return use
 
@@ -23,8 +23,8 @@ def forgetful(monkeypatch):
     """Make the exact plan forget one source of a GPT-2 (transformers.h.0.mlp.c_proj is never centred)."""
     real = exact.plan
 
-    def plan(model, sites, inputs=None):
-        p = real(model, sites, inputs)
+    def plan(model, sites, inputs=None, examples=None):
+        p = real(model, sites, inputs, examples)
         p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
         return p
     monkeypatch.setattr(exact, "plan", plan)

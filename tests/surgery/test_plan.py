@@ -18,6 +18,7 @@ from transformers.utils import ModelOutput
 import normswap
 from normswap.errors import NormswapError
 from normswap.parity import compare
+from normswap.models.inputs import examples
 from normswap.surgery import exact, find_norms
 from helpers.exact_models import perturb
 
@@ -315,7 +316,7 @@ def test_auto_falls_back_when_no_sample_input_can_be_built(monkeypatch):
 
     def none(model, *a, **k):
         raise NormswapError("cannot build sample inputs for a model whose main input is 'states'")
-    monkeypatch.setattr(exact, "sample_inputs", none)
+    monkeypatch.setattr(examples, "sample_inputs", none)
     report = normswap.convert(build("gpt2"), method="auto")
     assert report.method == "naive" and "no sample input to trace it" in report.warnings[0]
 
@@ -447,7 +448,7 @@ def test_streaming_refuses_an_untraced_writer_too(monkeypatch, tmp_path):
                           patch_size=8)
     _fresh(lambda: tf.Dinov2Model(cfg)).save_pretrained(tmp_path / "src")
     pixels = [{"pixel_values": torch.randn(2, 3, 32, 32, generator=G)}]
-    monkeypatch.setattr(stream, "sample_inputs", lambda *a, **k: pixels)
+    monkeypatch.setattr(stream, "model_inputs", lambda *a, **k: pixels)
     with pytest.raises(NormswapError, match="embeddings.mask_token did not run on the sample inputs"):
         stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
     assert not (tmp_path / "out").exists()

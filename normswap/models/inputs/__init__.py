@@ -5,9 +5,15 @@ plan traces and what verification compares on.
 Several batches, so that every path that can write into the residual stream runs in at least one: the
 first turns the optional inputs on (images, videos and audio with their tokens in multimodal decoders,
 `bool_masked_pos`, token types, layout boxes), the second is a larger batch with right-padded rows
-(and text alone where those are optional). Where a guess needs the model's word (how many image tokens
-one image fills) a trial forward corrects it; an optional input the model then rejects is left out.
-Where no input can be built, a one-line NormswapError names what is missing.
+(and text alone where those are optional). A model whose main input is text gets a third batch, one row
+as long as its config allows (`max_position_embeddings`, `n_positions`...; fewer where its position table
+starts after a padding row), capped at `text.LONGEST` = 512 tokens to stay cheap: a path only long inputs
+take (a branch on the length, a table added from some length on) runs too. No row is longer than 512; a
+parameter or buffer that only longer inputs would run is refused by the exact plan as never run. A config
+that states no position limit (relative positions: T5) gets no such row. Where a guess needs the model's word
+(how many image tokens one image fills) a trial forward corrects it; an optional input the model then
+rejects is left out, and a long row it rejects too. Where no input can be built, a one-line NormswapError
+names what is missing.
 """
 from __future__ import annotations
 
@@ -68,7 +74,22 @@ def build(ctx: Ctx) -> list[dict]:
     if missing:
         raise ctx.refuse(f"no sample for its required input{'s' * (len(missing) > 1)} "
                          f"{', '.join(f'`{m}`' for m in missing)}")
-    return batches
+    long = longer(ctx, mains, batches[-1])
+    return batches + ([long] if long is not None else [])
+
+
+def longer(ctx: Ctx, mains: list[str], last: dict) -> dict | None:
+    """One row of text as long as the model takes (`text.longest`), where that is longer than `last` (the
+    last batch): with the optional inputs `last` kept, and no media spliced in at tokens. None where there is
+    none, or where the model, with weights here, does not run on it."""
+    n = text.longest(ctx) if "input_ids" in mains and "input_ids" in last else None
+    if n is None or n <= last["input_ids"].shape[-1]:
+        return None
+    x = one(ctx, mains, 1, n, first=False)
+    if any(key in x and token_of(ctx) is not None for key, (_, token_of) in media.MEDIA.items()):
+        return None
+    x = {k: v for k, v in x.items() if k in last or k not in OPTIONAL}
+    return None if ctx.runnable and run(ctx.model, x) else x
 
 
 def signature(x: dict) -> dict:

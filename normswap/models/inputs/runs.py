@@ -7,6 +7,7 @@ from torch import nn
 
 from normswap.errors import first_line
 from normswap.models.inputs.context import Ctx
+from normswap.models.modes import eval_mode
 
 
 def run_either(ctx: Ctx, x: dict) -> str:
@@ -35,12 +36,9 @@ def runs_on_meta(ctx: Ctx, x: dict) -> bool:
 @torch.no_grad()
 def run(model: nn.Module, x: dict) -> str:
     """"" if `model(**x)` runs, else the first line of its error; the model's mode is kept."""
-    training = model.training
     try:
-        model.eval()
-        model(**x)
+        with eval_mode(model):
+            model(**x)
         return ""
     except Exception as e:
         return first_line(e, type(e).__name__, strip=True)
-    finally:
-        model.train(training)

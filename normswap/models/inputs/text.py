@@ -4,6 +4,7 @@ multi-codebook audio."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from normswap.models.inputs.context import DECODER, TEXT, Ctx, nested_configs
 
@@ -11,6 +12,7 @@ from normswap.models.inputs.context import DECODER, TEXT, Ctx, nested_configs
 # switches a path on and is placed on purpose, never drawn by chance
 ORDINARY = {"pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id", "sep_token_id", "cls_token_id",
             "decoder_start_token_id", "mask_token_id"}
+LONGEST = 512   # the cap on the longest sample row (`longest`; see `models.inputs`)
 
 
 def special_ids(ctx: Ctx) -> set[int]:
@@ -39,12 +41,29 @@ def ids(ctx: Ctx, shape, decoder: bool = False, n: int | None = None) -> torch.T
     return allowed[ctx.randint(len(allowed), shape)]
 
 
-def length(ctx: Ctx, s: int, decoder: bool = False) -> int:
-    """s, capped by the positions the text (or decoder) side can take."""
+def limits(ctx: Ctx, decoder: bool = False) -> list[int]:
+    """The positions the text (or decoder) side can take, as its config states them (none: no stated limit)."""
     keys = ("max_target_positions", "max_position_embeddings", "n_positions", "max_text_len") if decoder else \
         ("max_position_embeddings", "n_positions", "max_text_len", "max_source_positions")
-    limits = [v for k in keys if (v := ctx.integer(k, prefer=DECODER if decoder else TEXT)) is not None]
-    return max(2, min([s, *limits]))
+    return [v for k in keys if (v := ctx.integer(k, prefer=DECODER if decoder else TEXT)) is not None]
+
+
+def length(ctx: Ctx, s: int, decoder: bool = False) -> int:
+    """s, capped by the positions the text (or decoder) side can take."""
+    return max(2, min([s, *limits(ctx, decoder)]))
+
+
+def longest(ctx: Ctx) -> int | None:
+    """The longest row the text side takes, up to LONGEST; None where its config states no limit. A position
+    table with a padding row as large as the limit (RoBERTa's) numbers positions from padding_idx + 1, so
+    that many fewer fit."""
+    stated = limits(ctx)
+    if not stated:
+        return None
+    n = min(stated)
+    pads = [m.padding_idx for m in (ctx.module.modules() if ctx.module is not None else ())
+            if isinstance(m, nn.Embedding) and m.num_embeddings == n and m.padding_idx is not None]
+    return max(2, min(LONGEST, n - 1 - max(pads, default=-1)))
 
 
 def padded_mask(b: int, s: int, padded: bool) -> torch.Tensor:
