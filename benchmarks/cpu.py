@@ -10,7 +10,7 @@ backward kernels only), at decode-to-prefill rows x widths 256-8192, fp32 and bf
 models: the demo model and a random GPT-2-small (LayerNorm biases perturbed so the exact conversion
 has work to do), original vs `normswap.convert(model, method="exact")`, eager and torch.compile'd
 (dynamic shapes), 1 and 2 threads: greedy generation tokens/s and prefill time.
-heal: one training step (forward + backward of the LM loss) original vs converted.
+heal: one training step (forward + backward of the LM loss) original vs converted, eager and compiled.
 
 Every table is measured interleaved: candidates alternate within each repeat (order flipped every
 repeat), so drift and neighbours' load hit all alike. Op tables report the fastest repeat (each ~20 ms
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -276,10 +277,11 @@ def norm_share(models, new_tokens: int) -> None:
 # ---- heal step -------------------------------------------------------------------------------------
 def bench_heal(args, reps: int) -> None:
     models = build_models(args.quick)
+    modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
-        for name, orig, conv, _ in models:
+        for (name, orig, conv, _), mode in itertools.product(models, modes):
             batch, length = (8, 128) if "demo" in name else (2, 128 if args.quick else 256)
             ids = torch.randint(0, orig.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
             pair = {"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()}
@@ -287,19 +289,23 @@ def bench_heal(args, reps: int) -> None:
                 for mod in m.modules():
                     if isinstance(mod, nn.Dropout):
                         mod.p = 0.0  # same work in both; dropout masks are not the question
+                if mode == "compiled":
+                    m.forward = torch.compile(m.forward)
 
             def step(m):
                 def run():
                     m.zero_grad(set_to_none=True)
                     m(ids, labels=ids).loss.backward()
                 return run
+            for m in pair.values():   # compile (or warm) first
+                step(m)()
             t = interleaved({k: step(m) for k, m in pair.items()}, max(3, reps // 2), budget=0.5)
-            rows.append([name, f"{batch} x {length}", str(threads), f"{t['original'] * 1e3:.0f}",
+            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{t['original'] * 1e3:.0f}",
                          f"{t['converted'] * 1e3:.0f}", f"**{t['converted'] / t['original']:.3f}**"])
             print("  ", " | ".join(rows[-1]), flush=True)
-    table("Heal step (forward + backward of the LM loss, eager), original vs exact-converted; median; "
+    table("Heal step (forward + backward of the LM loss), original vs exact-converted; median; "
           "1 thread: thread CPU time, 2 threads: wall time",
-          ["model", "batch x tokens", "threads", "original ms", "converted ms", "ratio"], rows)
+          ["model", "mode", "batch x tokens", "threads", "original ms", "converted ms", "ratio"], rows)
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,14 @@
-"""The fused CPU RMSNorm: a C++ op built with torch's extension tools at first use, cached, and its fallback.
+"""The fused CPU RMSNorm: a C++ op built at install time (setup.py) or else at first use, cached; its fallback.
 
 `extension()` returns the compiled module (entry points `rms_norm`, `rms_norm_add`; ops
-`torch.ops.normswap.cpu_*`), or None where it cannot be built: then normswap warns once and the PyTorch
-path runs. Nothing is compiled or imported from here until the first CPU norm call.
+`torch.ops.normswap.cpu_*`), or None where it cannot be built: then the PyTorch path runs, and normswap says
+so, with why, once per machine and build key (not in every command). Nothing is compiled or imported from
+here until the first CPU norm call.
 
-The build needs a C++ compiler and ninja (`pip install ninja`); it takes about a minute once per
-machine, torch version and source version, and is cached under $NORMSWAP_CACHE_DIR (default
+`pip install --no-build-isolation` (what `make` runs) builds it beside these sources, as
+`normswap.ops._cpu_<build key>`, with the same flags. Otherwise (an isolated build had no torch, or torch
+changed since) the first call builds it, with a C++ compiler and ninja (`pip install ninja`): about a
+minute once per machine, torch version and source version, cached under $NORMSWAP_CACHE_DIR (default
 ~/.cache/normswap). The ISA flags follow the vector level ATen itself chose on this CPU
 (`torch.backends.cpu.get_cpu_capability()`), which is part of the cache key: never -march=native,
 whose binary could hit an illegal instruction on another CPU sharing the cache (a network home).
@@ -64,6 +67,20 @@ def build_key(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def installed_name(flags: list[str]) -> str:
+    """The name of the module `setup.py` builds at install time for these flags (and sources, torch)."""
+    return f"_cpu_{build_key(flags)}"
+
+
+def installed(flags: list[str]):
+    """The extension built at install time for exactly this build key, imported; None where there is none
+    (installed without torch in the build environment, or built for other sources, torch or flags)."""
+    name = f"{__package__}.{installed_name(flags)}"
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path):
     """An exclusive lock across processes, released by the OS if the holder dies (no stale locks)."""
@@ -98,6 +115,9 @@ def build() -> object:
     done, failed = where / "built", where / "failed"
     if name in sys.modules:
         return sys.modules[name]
+    built = installed(flags)
+    if built is not None:
+        return built
     if not done.exists():
         if failed.exists():  # a compile error is not retried in every process: delete the folder to retry
             raise RuntimeError(f"an earlier build failed, log: {failed}; delete it to retry")
@@ -138,12 +158,25 @@ def extension():
     try:
         module = build()
     except Exception as e:  # noqa: BLE001 - any failure means "use the PyTorch path"
-        first = first_line(e, type(e).__name__, strip=True)
-        warnings.warn(f"normswap: the fast CPU RMSNorm is unavailable ({first}); "
-                      "using the slower PyTorch path", RuntimeWarning, stacklevel=2)
+        if _first_notice():
+            first = first_line(e, type(e).__name__, strip=True)
+            warnings.warn(f"normswap: the fast CPU RMSNorm is unavailable ({first}); "
+                          "using the slower PyTorch path", RuntimeWarning, stacklevel=2)
         return None
     _register_fakes()
     return module
+
+
+def _first_notice() -> bool:
+    """Whether this machine has not yet been told that the kernel is unavailable for this build key: the
+    warning comes once, not in every command (a marker in the cache; every time where it cannot be written)."""
+    marker = cache_dir() / f"cpu-{build_key(build_flags())}" / "told"
+    if marker.exists():
+        return False
+    with contextlib.suppress(OSError):
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    return True
 
 
 def _register_fakes() -> None:

@@ -47,6 +47,12 @@ def exporting() -> bool:
             or (is_exporting is not None and is_exporting()))
 
 
+def checked_pass(h: torch.Tensor) -> bool:
+    """Whether the plain pass can run first with an overflow check after it (a host sync: CPU eager only, and
+    no data-dependent branch under a torch.func transform); elsewhere outside a graph, always scaled."""
+    return h.device.type == "cpu" and not torch._C._are_functorch_transforms_active()
+
+
 def _pow2_floor_at_least_1(m: torch.Tensor) -> torch.Tensor:
     """The largest power of two <= m (fp32, by clearing the mantissa bits), but at least 1."""
     return (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
@@ -61,9 +67,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     two just below their max |x| (never scaled up): x/s / sqrt(mean((x/s)^2) + eps/s^2) is the same
     value and power-of-two scaling is exact, so results are bit-identical wherever nothing overflowed.
     On CPU (eager) the scaled pass runs only when a mean square overflowed (the check is free there;
-    always scaling cost 1.5-3x); on CUDA, under torch.compile and under torch.func transforms it always
-    runs (no host sync, no graph break, no data-dependent branch for vmap). Skipped while exporting:
-    onnxruntime fuses only the plain form, whose range is then fp32's.
+    always scaling cost 1.5-3x); on CUDA without Triton and under torch.func transforms it always runs (no
+    host sync, no data-dependent branch for vmap). Skipped under torch.compile and while exporting: one
+    pass over the row, `x * rsqrt(ms + eps)` compiled (Inductor's cheapest form), `x / sqrt(ms + eps)`
+    exported (the form onnxruntime fuses). Their range is then fp32's squares': exact for fp16 inputs
+    always, and for fp32 and bf16 rows unless a mean square overflows fp32 (values near 1e19, where
+    LayerNorm's own variance overflows too).
     """
     check_float(x, residual)
     h = x if residual is None else x + residual
@@ -71,17 +80,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     k = partial_width(h.shape[-1], p)
     hk = hf if k == h.shape[-1] else hf[..., :k]
     ms = None
-    if exporting() or (h.device.type == "cpu" and not torch.compiler.is_compiling()
-                       and not torch._C._are_functorch_transforms_active()):
+    graph = exporting() or torch.compiler.is_compiling()   # one pass: no branch on the values in a graph
+    if graph or checked_pass(h):
         ms = hk.pow(2).mean(-1, keepdim=True)
-        if not exporting() and not bool(torch.isfinite(ms).all()):
+        if not graph and not bool(torch.isfinite(ms).all()):
             ms = None   # a square overflowed: take the scaled pass below
     if ms is None:
         inv = 1.0 / _pow2_floor_at_least_1(hk.detach().abs().amax(-1, keepdim=True))
         hf, eps = hf * inv, eps * inv * inv
         ms = (hk * inv).pow(2).mean(-1, keepdim=True)
-    # x / sqrt(.) rather than x * rsqrt(.): the form onnxruntime's fusion recognises on export.
-    y = hf / torch.sqrt(ms + eps)
+    # x / sqrt(.) where not compiled: the form onnxruntime's fusion recognises on export
+    y = hf * torch.rsqrt(ms + eps) if graph and not exporting() else hf / torch.sqrt(ms + eps)
     if weight is not None:
         y = y * weight.float()
     y = y.to(x.dtype).contiguous()   # as LayerNorm's, whatever x's strides: callers .view() it

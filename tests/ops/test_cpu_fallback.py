@@ -1,4 +1,5 @@
-"""Where the C++ CPU kernel cannot be built, the PyTorch path runs and normswap warns once."""
+"""Where the C++ CPU kernel cannot be built, the PyTorch path runs and normswap warns once per machine; one
+built at install time (setup.py) is used without a build."""
 from __future__ import annotations
 
 import warnings
@@ -85,3 +86,29 @@ def test_a_compile_error_is_recorded_once(fresh, monkeypatch):
         assert cpu.extension() is None
     log = fresh / "cpu-test" / "failed"
     assert "error: boom" in log.read_text()
+
+
+def test_the_warning_comes_once_per_machine_not_per_command(fresh, monkeypatch):
+    monkeypatch.setattr(cpu.shutil, "which", lambda tool: None)
+    with pytest.warns(RuntimeWarning, match="fast CPU RMSNorm is unavailable"):
+        assert cpu.extension() is None
+    cpu.extension.cache_clear()   # a later command: a new process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cpu.extension() is None
+
+
+def test_the_extension_built_at_install_is_used_without_a_build(fresh, monkeypatch):
+    """setup.py's module, named by the build key, is imported; one of another key is never imported."""
+    import sys
+    import types
+
+    built = types.ModuleType("normswap.ops._cpu_test")
+    monkeypatch.setitem(sys.modules, "normswap.ops._cpu_test", built)
+    monkeypatch.setattr(cpu.importlib.util, "find_spec", lambda name: object() if name.endswith("_cpu_test") else None)
+    monkeypatch.setattr(cpu, "_compile", lambda *a: pytest.fail("built although installed"))
+    assert cpu.build() is built
+    monkeypatch.setattr(cpu, "build_key", lambda flags: "other")
+    monkeypatch.setattr(cpu.shutil, "which", lambda tool: None)
+    with pytest.raises(RuntimeError, match="not found"):
+        cpu.build()

@@ -74,9 +74,10 @@ SCALES = [1e-30, 1e-3, 1.0, 3e4, 1e19, 1e25, 1e30, 1e36]   # fp32 squares overfl
 
 @pytest.fixture(params=["cpu-eager", "always-scaled"])
 def torch_path(request, monkeypatch):
-    """The two PyTorch paths: CPU eager (scaled pass on overflow only) and CUDA/compiled (always scaled)."""
+    """The two safe PyTorch paths: CPU eager (scaled pass on overflow only) and CUDA without Triton or a
+    torch.func transform (always scaled)."""
     if request.param == "always-scaled":
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(reference, "checked_pass", lambda h: False)
     return request.param
 
 
@@ -134,3 +135,48 @@ def test_triton_huge_and_tiny_rows_match_fp64(dtype, max_block, p):
     rows = x64.grad.abs().amax(-1)
     assert ((dx.cpu().double() - x64.grad).abs().amax(-1) <= 4 * tol * rows).all()
     assert torch.isfinite(dw).all()
+
+
+# ---- torch.compile: one pass over the row ---------------------------------------------------------------
+
+REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "prod"}
+
+
+def _graphs(fn, *args) -> tuple[list[str], list[str]]:
+    """The aten ops (their names) of the forward and backward graphs torch.compile hands its compiler."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    seen: dict[str, list[str]] = {}
+
+    def keep(kind):
+        def compiler(gm, _):
+            seen[kind] = [n.target.__name__.split(".")[0] for n in gm.graph.nodes if n.op == "call_function"
+                          and hasattr(n.target, "__name__")]
+            return make_boxed_func(gm.forward)
+        return compiler
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))(*args)
+    out.float().pow(2).sum().backward()
+    return seen["fw"], seen["bw"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_norm_reduces_each_row_once_forward_and_backward(dtype):
+    """Compiled RMSNorm: one reduction over the row forward (the mean square), one backward (sum dy*w*x) plus
+    the weight's reduction over rows, as LayerNorm has; no max pass for overflow scaling."""
+    norm = RMSNorm(64).to(dtype)
+    x = torch.randn(4, 8, 64, dtype=dtype, requires_grad=True)
+    fw, bw = _graphs(norm, x)
+    assert [op for op in fw if op in REDUCTIONS] == ["mean"], fw
+    assert sorted(op for op in bw if op in REDUCTIONS) == ["sum", "sum"], bw
+
+
+@pytest.mark.parametrize("dtype,scale,tol", [(torch.float16, 1e4, 2e-3), (torch.float32, 1e18, 1e-6),
+                                             (torch.bfloat16, 1e18, 1e-2), (torch.float32, 1e-30, 1e-6)])
+def test_compiled_norm_matches_fp64_over_the_documented_range(dtype, scale, tol):
+    """The plain form under torch.compile: fp16 never overflows fp32 squares; fp32/bf16 rows up to ~1e18."""
+    x = _rows(dtype, [scale, 1.0, 1e-3])
+    w = torch.rand(64, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 0.5
+    y = torch.compile(lambda a: reference.rms_norm_reference(a, w.to(dtype), EPS), backend="aot_eager")(x)
+    want = fp64_rms(x, w.to(dtype), 64)
+    assert torch.isfinite(y).all() and ((y.double() - want).abs().amax(-1) <= tol * want.abs().amax(-1) + 1e-30).all()
