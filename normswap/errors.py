@@ -11,6 +11,13 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 
 _NAMED = re.compile(r"`([^`]+)`")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")   # C0 (newline, ESC of ANSI sequences), DEL and C1
+
+
+def printable(text: str) -> str:
+    """`text` safe for one terminal line: control characters (newlines, ANSI escapes) shown as `\\xNN`, so
+    a name from a file can neither break a line nor restyle the terminal."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class NormswapError(Exception):

@@ -11,7 +11,7 @@ import click
 
 from normswap import signals
 from normswap.cli.flags import error_names
-from normswap.errors import Interrupted, NormswapError, first_line
+from normswap.errors import Interrupted, NormswapError, first_line, printable
 
 _NoArgs = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
@@ -55,15 +55,15 @@ class Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except NormswapError as e:
-            click.echo(f"error: {e.for_cli(self.flag_names())}", err=True)
+            click.echo(f"error: {printable(e.for_cli(self.flag_names()))}", err=True)
         except KeyboardInterrupt as e:
             e = Interrupted.after(e)
             done = f"{', '.join(e.written)} written" if e.written else "nothing was written"
             click.echo(f"interrupted: {done}", err=True)
             sys.exit(128 + (e.signum if isinstance(e.signum, int) else 2))
-        except Exception as e:  # a bug of ours, still reported in one line
-            msg = first_line(e)
-            click.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        except Exception as e:  # a bug of ours, or out of memory, still reported in one line
+            msg = first_line(e, strip=True) or ("out of memory" if isinstance(e, MemoryError) else "(no message)")
+            click.echo(f"error: {type(e).__name__}: {printable(msg)}", err=True)
         finally:
             signals.restore(old_term)
         sys.exit(1)

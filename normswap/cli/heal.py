@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -31,10 +32,14 @@ def heal(src, out, opts: Shared, options: HealCheckpointOptions):
         return
     click.echo(json.dumps(report.to_dict(losses=True)) if opts.as_json else str(report))
     if report.interrupted:
-        where = f"saved to {report.saved_to}" if report.saved_to else "nothing saved"
         when = "during the final save" if report.save_interrupted else "after"
-        click.echo(f"interrupted {when} {report.steps_done}/{report.steps} steps: {where}; {out} untouched",
-                   err=True)
+        if report.saved_to and Path(report.saved_to) == Path(out):   # the signal came at the rename: OUT is new
+            done = f"{out} written"
+        else:
+            where = f"saved to {report.saved_to}" if report.saved_to else \
+                f"not saved ({report.not_saved})" if report.not_saved else "nothing saved"
+            done = f"{where}; {out} untouched"
+        click.echo(f"interrupted {when} {report.steps_done}/{report.steps} steps: {done}", err=True)
         sys.exit(128 + (report.signum or 2))
 
 

@@ -12,6 +12,7 @@ import click
 import transformers
 
 from normswap.cli.flags import build, click_options
+from normswap.errors import printable
 
 
 @dataclass(frozen=True)
@@ -60,4 +61,4 @@ def setup_output(opts: Shared) -> None:
 
 def warn(message: str) -> None:
     """A warning for the user, on stderr whatever the output format."""
-    click.echo(f"warning: {message}", err=True)
+    click.echo(f"warning: {printable(message)}", err=True)

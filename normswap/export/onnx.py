@@ -18,8 +18,6 @@ import importlib.util
 import io
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import torch
 from torch import nn
 
 from normswap.io import owned
+from normswap.io.atomic import atomic_files
 from normswap.errors import NormswapError
 from normswap.export import wrap
 from normswap.export.report import ExportReport
@@ -59,26 +58,23 @@ def check_args(target: str, opset: int | None) -> int:
 
 
 def check_replaceable(path: Path, overwrite) -> None:
-    """An existing FILE is replaced only with overwrite, and only if normswap exported it (or "any")."""
+    """An existing FILE is replaced only with overwrite, and only if normswap exported it (or "any"); so is its
+    external-data file `<path>.data`, which an export may write beside it."""
     if str(path).endswith(("/", os.sep)):   # Path() would drop the slash and write a file of that name
         raise NormswapError(f"`onnx` {path} names a folder: give a file name (e.g. {path}model.onnx)")
     path = Path(path).expanduser()
-    if path.exists() and (path.is_dir() or not overwrite):
-        raise NormswapError(f"{path} exists" + (" and is a folder" if path.is_dir() else
-                                                  ": pass `overwrite=True` to replace it"))
+    data = path.with_name(path.name + ".data")
+    for f in (path, data):
+        if (f.exists() or f.is_symlink()) and (f.is_dir() or not overwrite):
+            raise NormswapError(f"{f} exists" + (" and is a folder" if f.is_dir() else
+                                                 ": pass `overwrite=True` to replace it"))
     if path.exists() and overwrite != "any" and not owned.exported_onnx(path):  # never another tool's file
         raise NormswapError(f"{path} is not an ONNX file normswap exported: pass `overwrite='any'` to replace it")
-
-
-def _staging_dir(path: Path, overwrite) -> Path:
-    check_replaceable(path, overwrite)
+    if data.exists() and overwrite != "any" and not owned.exported_onnx(path):  # its data, not a stray file
+        raise NormswapError(f"{data} is not the data of an ONNX file normswap exported: pass `overwrite='any'` "
+                            "to replace it")
     if path.parent.exists() and not path.parent.is_dir():
         raise NormswapError(f"cannot write to {path.parent}: not a folder")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
-    except OSError as e:
-        raise NormswapError(f"cannot write to {path.parent}: {e.strerror or e}") from None
 
 
 def count_norms(model: nn.Module) -> dict[str, int]:
@@ -244,14 +240,6 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     check_replaceable(path, overwrite)
     path = Path(path).expanduser()
     _check_model(model, example_inputs, with_past)
-    tmp = _staging_dir(path, overwrite)
-    try:
-        staged = tmp / path.name
-        report = build(model, staged, path, target, fp16, with_past, opset, validate, external_data_bytes,
-                       example_inputs)
-        for f in sorted(tmp.iterdir(), key=lambda f: f == staged):  # external data first, graph last
-            os.replace(f, path.parent / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return report
-
+    with atomic_files(path, lambda: check_replaceable(path, overwrite)) as tmp:
+        return build(model, tmp / path.name, path, target, fp16, with_past, opset, validate, external_data_bytes,
+                     example_inputs)

@@ -35,7 +35,7 @@ from torch import nn
 from normswap import signals
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.io import safetensors
-from normswap.errors import NormswapError
+from normswap.errors import Interrupted, NormswapError
 from normswap.evaluation import check_vocabulary
 from normswap.healing import fsdp as heal_fsdp
 from normswap.healing import tracking
@@ -75,11 +75,12 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, parti
     student.config.normswap_heal = info
     files = {tracking.LOG_FILE: json.dumps(log, indent=1)}
     if info["interrupted"]:
-        if partial.exists():  # replace an earlier partial checkpoint, never anything else
+        if partial.exists() or partial.is_symlink():  # replace an earlier partial checkpoint, never anything else
             try:
-                if not read_config(partial).get("normswap_heal", {}).get("interrupted"):
-                    return None
-            except (OSError, ValueError):
+                earlier = read_config(partial).get("normswap_heal")
+            except (OSError, ValueError, NormswapError):   # a file, a folder without config.json: the user's
+                earlier = None
+            if not (isinstance(earlier, dict) and earlier.get("interrupted")):
                 return None
         return str(save.save_pretrained(student, partial, tokenizer, overwrite=True, files=files))
     return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite, files=files))
@@ -258,7 +259,14 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
         try:
             report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
             return
-        except KeyboardInterrupt:  # the atomic save leaves `out` as it was; keep the work in .partial
+        except Interrupted as e:   # held during the rename, delivered after it: `out` is complete
             report.interrupted, report.save_interrupted = True, True
+            report.saved_to, report.signum = str(out), e.signum or signal.SIGINT
+            return
+        except KeyboardInterrupt as e:  # the atomic save leaves `out` as it was; keep the work in .partial
+            report.interrupted, report.save_interrupted = True, True
+            report.signum = report.signum or (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     with signals.held():
         report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
+    if report.saved_to is None:
+        report.not_saved = f"{partial} is not an interrupted run's checkpoint of normswap's"

@@ -46,7 +46,29 @@ def read_log(path: str | Path) -> dict:
         raise NormswapError(f"cannot read {file}: {e}") from None
     if not isinstance(log, dict) or not isinstance(log.get("log_history"), list):
         raise NormswapError(f"{file} is not a heal log (no log_history)")
+    wrong = _malformed(log)
+    if wrong:
+        raise NormswapError(f"{file} is not a heal log ({wrong})")
     return log
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _malformed(log: dict) -> str | None:
+    """What in `log` is not as `normswap heal` writes it (None: nothing), for what `plot_log` reads."""
+    for i, r in enumerate(log["log_history"]):
+        if not isinstance(r, dict) or not _number(r.get("step")):
+            return f"log_history[{i}] has no step number"
+        bad = [k for k, v in r.items() if (k in ("loss", "learning_rate") or k.startswith("eval_")) and not _number(v)]
+        if bad:
+            return f"log_history[{i}].{bad[0]} is not a number"
+    checks = {"best_step": _number, "restored_step": _number, "steps_done": _number, "trainable": _number,
+              "train": lambda v: isinstance(v, str), "objective": lambda v: isinstance(v, str),
+              "lora": lambda v: isinstance(v, dict) and _number(v.get("rank"))}
+    return next((f"{k} is {type(log[k]).__name__}" for k, ok in checks.items() if log.get(k) is not None
+                 and not ok(log[k])), None)
 
 
 def plot_log(log: dict, png: str | Path, overwrite: bool | str = False) -> Path:

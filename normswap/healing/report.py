@@ -25,6 +25,7 @@ class HealReport:
     signum: int | None = None        # the signal that interrupted the run (2: Ctrl-C, 15: SIGTERM)
     save_interrupted: bool = False   # Ctrl-C came during the final save: the work went to OUT.partial
     saved_to: str | None = None
+    not_saved: str | None = None     # interrupted, and the steps saved nowhere: why
     parameters: int = 0              # the model's parameters (without adapters): trainable / parameters
     lora: dict | None = None         # train="lora": rank, alpha, targets (module names)
     eval_metric: str | None = None   # held-out evaluation: kl, hidden_mse or nll

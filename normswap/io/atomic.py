@@ -1,9 +1,13 @@
 """Safe output: refuse dangerous OUTs, write folders atomically, recover from killed runs.
 
-atomic_dir, under an flock on `.OUT.lock`: build `.OUT.tmp-PID-HEX`, rename OUT -> `.OUT.old-PID`,
-rename the temp folder -> OUT, delete the old. A failure between the two renames puts the old
+atomic_dir, under an flock on `.OUT.lock` (never a symlink): build `.OUT.tmp-PID-HEX`, fsync it, check
+again that OUT may be replaced, then exchange it with OUT in one step (Linux renameat2; OUT is old or new at
+every instant) and delete the old from the temp name; where the system cannot exchange, rename OUT ->
+`.OUT.old-PID`, the temp folder -> OUT, delete the old. A failure between the two renames puts the old
 back; a run killed there leaves `.OUT.old-PID`, which the next run restores (no OUT) or deletes
-(the new OUT is in place), and its `.OUT.tmp-PID-HEX`, which the next run deletes.
+(the new OUT is in place), and its `.OUT.tmp-PID-HEX`, which the next run deletes. An OUT absent at the
+check is renamed into place only if still absent (`rename.rename_new`). atomic_files does the same for an
+ONNX file and its external data.
 
 Which leftovers are ours is never judged by name alone (a user's `.OUT.old-mybackup` is theirs): the
 lock file is a journal. Before creating a temp or old folder, the writer appends its name to
@@ -14,17 +18,19 @@ exact form normswap generates. A folder no journal lists is left alone, whatever
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 from pathlib import Path
 
 from normswap import signals
 from normswap.errors import Interrupted, NormswapError
-from normswap.io import owned
+from normswap.io import owned, rename
 from normswap.io.bundled import DEMO_DIR, DEMO_NAME
 
 try:
@@ -52,7 +58,8 @@ def _note(msg: str) -> None:
 
 
 def check_output(out, inputs=()) -> Path:
-    """Refuse an empty OUT, the current folder or a parent of it, and an OUT holding an input.
+    """Refuse an empty OUT, the current folder or a parent of it, and an OUT holding an input or inside one
+    (real paths compared: symlinks followed).
 
     inputs: (what, path) pairs, e.g. ("SRC", src); missing paths (Hub ids) are skipped.
     """
@@ -73,6 +80,10 @@ def check_output(out, inputs=()) -> Path:
             if real == target or target in real.parents:
                 raise NormswapError(f"{out} would replace {what} {src}" + (
                     "" if real == path.resolve() else " (symlinks in it point there)") + ": write somewhere else")
+        if path.resolve() in target.parents:   # e.g. through a symlink to it: writing there changes the input
+            raise NormswapError(f"{out} is inside {what} {src}" + ("" if Path(os.path.abspath(
+                Path(out).expanduser())).is_relative_to(os.path.abspath(path)) else " (through a symlink)") +
+                ": write somewhere else")
     return target
 
 
@@ -110,18 +121,30 @@ def check_replaceable(out, overwrite) -> None:
         raise NormswapError(f"{out} {reason}: pass `overwrite='any'` to replace it anyway")
 
 
+def _open_lock(out: Path, path: Path) -> int:
+    """Open (or create) the lock file `path`, never through a symlink and only as a plain file."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (0 if fcntl else os.O_EXCL)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        raise NormswapError(f"{out} is being written by another normswap (or remove {path})") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:   # a symlink: writing through it would change the file it points to
+            raise NormswapError(f"{path} is a symlink, not normswap's lock file: remove it") from None
+        raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NormswapError(f"{path} is not a file, not normswap's lock file: remove it")
+    return fd
+
+
 @contextlib.contextmanager
 def _lock(out: Path):
     """Hold `.OUT.lock` or fail at once: one writer per OUT; a dead writer's lock is free. Yields the file
     descriptor (its content: our pid, then the journal) and what a killed holder's journal listed."""
     path = out.parent / f".{_stem(out)}.lock"
     while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if fcntl else os.O_EXCL), 0o644)
-        except FileExistsError:
-            raise NormswapError(f"{out} is being written by another normswap (or remove {path})") from None
-        except OSError as e:
-            raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+        fd = _open_lock(out, path)
         try:
             if fcntl:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -134,7 +157,7 @@ def _lock(out: Path):
             os.close(fd)
             raise NormswapError(f"cannot lock {path}: {e.strerror or e}") from None
         try:  # the holder before us may have unlinked the file we locked: lock the current one
-            if os.path.samestat(os.fstat(fd), os.stat(path)):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
                 break
         except FileNotFoundError:
             pass
@@ -187,34 +210,59 @@ def recover(out: Path, journal: list[tuple[str, str]]) -> None:
         _remove(old)
 
 
-def _swap(tmp: Path, out: Path, fd: int) -> None:
-    """Rename `tmp` to `out` (the old `out` aside, then deleted); a signal held during the swap is delivered
-    after it as `Interrupted` naming `out`, which is then complete."""
-    old = None
+def _swap(tmp: Path, out: Path, fd: int, check) -> None:
+    """Put `tmp` in place of `out` once `check()` (OUT may be replaced) holds again at this moment; a signal
+    held during the swap is delivered after it as `Interrupted` naming `out`, which is then complete.
+
+    `tmp` and the folder are fsynced first. An existing OUT is exchanged with `tmp` in one step where the
+    system can (OUT is the old or the new folder at every instant; the old one is then deleted from the
+    journaled temp name), else renamed aside first (`.OUT.old-PID`, journaled). An OUT that appears
+    meanwhile is never replaced (`rename.rename_new`)."""
+    old, swapped = None, False
     try:
         with signals.deferred():   # SIGINT/SIGTERM held during the swap, then delivered
-            if out.exists() or out.is_symlink():
-                old = out.parent / f".{_stem(out)}.old-{os.getpid()}"
-                if old.exists() or old.is_symlink():   # not ours (no journal listed it): never overwritten
-                    raise NormswapError(f"{old} is in the way: move it, then run again")
-                os.rename(out, _journal(fd, "old", old))
-                try:
-                    os.rename(tmp, out)
-                except BaseException as e:
-                    try:
-                        os.rename(old, out)
-                    except OSError as again:
-                        raise NormswapError(f"could not replace {out} ({e}) nor put it back ({again.strerror}): "
-                                            f"the old one is in {old}") from None
-                    raise
+            rename.fsync_tree(tmp)
+            present = out.exists() or out.is_symlink()
+            check()   # again, now: someone may have created or replaced OUT while we worked
+            if not present:   # and if it appears after the check, the rename fails
+                _rename_new(tmp, out)
+            elif rename.exchange(tmp, out):
+                old = tmp
             else:
-                os.rename(tmp, out)
+                old = _two_renames(tmp, out, fd)
+            swapped = True
+            rename.fsync_path(out.parent)   # the rename is on disk before the old folder goes
             if old is not None:
                 _remove(old)
     except KeyboardInterrupt as e:
-        if not out.exists() or tmp.exists():   # the swap itself did not happen
+        if not swapped:
             raise
         raise Interrupted.after(e, str(out)) from None
+
+
+def _rename_new(tmp: Path, out: Path) -> None:
+    try:
+        rename.rename_new(tmp, out)
+    except FileExistsError:
+        raise NormswapError(f"{out} appeared while normswap ran: it was left as it is, nothing written") from None
+
+
+def _two_renames(tmp: Path, out: Path, fd: int) -> Path:
+    """OUT aside to `.OUT.old-PID` (journaled), `tmp` in its place; the old one back if the second fails."""
+    old = out.parent / f".{_stem(out)}.old-{os.getpid()}"
+    if old.exists() or old.is_symlink():   # not ours (no journal listed it): never overwritten
+        raise NormswapError(f"{old} is in the way: move it, then run again")
+    os.rename(out, _journal(fd, "old", old))
+    try:
+        _rename_new(tmp, out)
+    except BaseException as e:
+        try:
+            rename.rename_new(old, out)
+        except OSError as again:
+            raise NormswapError(f"could not replace {out} ({e}) nor put it back ({again.strerror}): "
+                                f"the old one is in {old}") from None
+        raise
+    return old
 
 
 def _honour_umask(path: Path) -> None:
@@ -226,29 +274,72 @@ def _honour_umask(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path, overwrite=False):
-    """Yield a temp folder beside `out`; on success it replaces `out`, on failure `out` is as before.
-
-    overwrite: see check_replaceable. Another process writing `out` at the same time: NormswapError.
-    """
+def _staging(out: str | Path, check):
+    """Under OUT's lock, after recovering a killed run and `check()`: yield (temp folder beside OUT, OUT as an
+    absolute path, the lock's fd); the temp folder is deleted if the block fails."""
     check_output(out)
-    shown, out = Path(out).expanduser(), Path(os.path.abspath(Path(out).expanduser()))
+    out = Path(os.path.abspath(Path(out).expanduser()))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
     with _lock(out) as (fd, journal):
         recover(out, journal)
-        check_replaceable(shown, overwrite)
+        check()
         tmp = _journal(fd, "tmp", out.parent / f".{_stem(out)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.mkdir(tmp, 0o700)
         except OSError as e:
             raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
         try:
-            _honour_umask(tmp)
-            yield tmp
-            _swap(tmp, out, fd)
+            yield tmp, out, fd
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def atomic_dir(out: str | Path, overwrite=False):
+    """Yield a temp folder beside `out`; on success it replaces `out`, on failure `out` is as before.
+
+    overwrite: see check_replaceable (checked at the start and again at the swap). Another process writing
+    `out` at the same time: NormswapError.
+    """
+    shown = Path(out).expanduser()
+    with _staging(out, lambda: check_replaceable(shown, overwrite)) as (tmp, out, fd):
+        _honour_umask(tmp)
+        yield tmp
+        _swap(tmp, out, fd, lambda: check_replaceable(shown, overwrite))
+
+
+@contextlib.contextmanager
+def atomic_files(path: str | Path, check):
+    """Yield a temp folder beside the file `path`, under the same lock as a folder OUT; its files then move
+    beside `path` (`path`'s own name last), once `check()` (they may be written there) holds again. A file
+    that appears meanwhile is never replaced. A killed run's temp folder is deleted by the next run."""
+    with _staging(path, check) as (tmp, path, fd):
+        yield tmp
+        moved, created = [], []
+        try:
+            with signals.deferred():
+                rename.fsync_tree(tmp)
+                check()
+                for f in sorted(tmp.iterdir(), key=lambda f: f.name == path.name):
+                    dest = path.parent / f.name
+                    if dest.exists() or dest.is_symlink():   # check() allowed it: overwrite
+                        os.replace(f, dest)
+                    else:
+                        _rename_new(f, dest)
+                        created.append(dest)
+                    moved.append(dest)
+                rename.fsync_path(path.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except KeyboardInterrupt as e:
+            if path not in moved:
+                raise
+            raise Interrupted.after(e, str(path)) from None
+        except BaseException:
+            if path not in moved:   # without its graph, an external-data file we created is nobody's
+                for dest in created:
+                    dest.unlink(missing_ok=True)
             raise

@@ -161,8 +161,8 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
     kept = section.get("not_preserved", {})
-    if not isinstance(kept, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in kept.items()):
-        _fail(where, "not_preserved must map output names to reasons")
+    if not isinstance(kept, dict) or not all(isinstance(x, str) and x.isprintable() for x in [*kept, *kept.values()]):
+        _fail(where, "not_preserved must map output names to reasons (printed on loads: plain text)")
     sums = _get(where, section, "checksum", dict, "section")
     for key in ("section", "weights_header"):
         _get(where, sums, key, str, "checksum")

@@ -76,6 +76,15 @@ def has_weights(path: str | Path) -> bool:
     return (Path(path) / WEIGHTS).exists() or (Path(path) / INDEX).exists()
 
 
+def _stamp(file: Path) -> tuple | None:
+    """What changes when a file is written or replaced: inode, size, modification and change times."""
+    try:
+        st = os.stat(file)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 class Reader:
     """Tensors of a checkpoint folder, read one at a time: the files transformers would load (`weights_files`:
     model.safetensors wins over an index beside it), every header validated before any tensor is read."""
@@ -90,6 +99,7 @@ class Reader:
         metadata = index.get("metadata")
         self.index_dtype = metadata.get("dtype") if isinstance(metadata, dict) else None
         self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
+        self.stamps = {file: _stamp(file) for file in self.files}   # before the headers: see `check_unchanged`
         for file in self.files:
             for key, (dtype, shape, start, end) in _header(file).items():
                 if key in self.entries:
@@ -99,6 +109,14 @@ class Reader:
 
     def keys(self) -> list[str]:
         return list(self.entries)
+
+    def check_unchanged(self, src: str) -> None:
+        """Raise if a weights file was rewritten or replaced since its header was read: what was read from it
+        may mix old and new tensors."""
+        for file, stamp in self.stamps.items():
+            if _stamp(file) != stamp:
+                raise NormswapError(f"{src}: {file.name} changed while it was read (rewritten or replaced): "
+                                    "nothing written; run again once SRC stays as it is")
 
     def meta(self, key: str) -> tuple[torch.dtype, list[int]]:
         return self.entries[key][1], self.entries[key][2]

@@ -124,13 +124,17 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def resolve_source(src: str) -> tuple[str, bool]:
-    """(path or hub id, is_local). Raises for missing paths and an unreachable Hub."""
+    """(path or hub id, is_local). Raises for missing paths, a folder holding a PEFT adapter (refused by every
+    command alike) and an unreachable Hub."""
     if src == DEMO_NAME:
         return str(DEMO_DIR), True
     path = Path(src).expanduser()
     if path.exists():
         if not path.is_dir():
             raise NormswapError(f"{src} is a file: pass a model folder (config.json + weights)")
+        if (path / "adapter_config.json").exists():   # transformers would apply it on some loads, not others
+            raise NormswapError(f"{src} holds a PEFT adapter (adapter_config.json): merge it into its base model "
+                                "(peft's merge_and_unload, then save_pretrained) and pass that folder")
         if not (path / "config.json").exists():
             raise NormswapError(f"{src} has no config.json: not a model folder")
         return str(path), True

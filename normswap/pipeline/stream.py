@@ -141,8 +141,9 @@ def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: 
 
 
 class _Verification:
-    """The check `save_pretrained` runs on the written folder before it replaces OUT: parity against the
-    source, judged for an exact conversion (kept in `parity`)."""
+    """The check `save_pretrained` runs on the written folder before it replaces OUT: SRC's weights files
+    unchanged since they were first read, parity against the source, judged for an exact conversion (kept in
+    `parity`)."""
 
     def __init__(self, src: Folder, report: ConversionReport, dtype: torch.dtype, show_progress: bool,
                  skip: dict, examples: list | None):
@@ -152,6 +153,7 @@ class _Verification:
 
     def __call__(self, folder: Path) -> None:
         self.parity = verify_lazy(self.src, folder, self.dtype, self.show_progress, self.skip, self.examples)
+        self.src.reader.check_unchanged(self.src.src)   # SRC rewritten meanwhile: OUT would mix old and new
         refuse_nonfinite(self.parity)
         if self.report.method == "exact":
             self.report.verification = judge(self.parity, self.dtype, enforce=enforced(self.report))

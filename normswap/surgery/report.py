@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from normswap.errors import printable
+
 
 @dataclass
 class NormRecord:
@@ -59,7 +61,7 @@ class ConversionReport:
         out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
         out += [f"not preserved: {n}" for n in self.not_preserved]
         out += [f"warning: {w}" for w in self.warnings] if warnings else []
-        return "\n".join(out)
+        return "\n".join(map(printable, out))   # names from a file: one line each, no terminal escapes
 
     __str__ = to_table
 

@@ -107,3 +107,43 @@ def test_ctrl_c_while_the_cli_imports_is_one_line():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", START], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and r.stderr.strip() == "interrupted: nothing was written", r.stderr
+
+
+@pytest.mark.parametrize("users", ["file", "folder"])
+def test_cli_ctrl_c_with_a_users_partial_says_the_steps_were_not_saved(saved, tmp_path, ctrl_c_on_first_save, users):
+    """Issue 33 (20): OUT.partial is the user's: it is left alone, exit 130, and the line says so."""
+    partial = tmp_path / "h.partial"
+    if users == "file":
+        partial.write_text("mine")
+    else:
+        partial.mkdir()
+        (partial / "notes.txt").write_text("mine")
+    r = CliRunner().invoke(main, ["heal", str(saved / "conv"), "--teacher", str(saved / "orig"), "--data",
+                                  str(saved / "train.txt"), "--steps", "2", "--seq-len", "32", "--batch-size", "4",
+                                  "-o", str(tmp_path / "h")])
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines() == [
+        f"interrupted during the final save 2/2 steps: not saved ({partial} is not an interrupted run's "
+        f"checkpoint of normswap's); {tmp_path / 'h'} untouched"]
+    assert (partial.read_text() if users == "file" else (partial / "notes.txt").read_text()) == "mine"
+    assert not (tmp_path / "h").exists()
+
+
+def test_cli_signal_during_the_swap_says_out_was_written(saved, tmp_path, monkeypatch):
+    """Issue 33 (20): a Ctrl-C held during the final rename is delivered after it: OUT is the healed model, and
+    the line says so (not "untouched"); nothing goes to OUT.partial."""
+    from normswap.io import rename
+    real = rename.fsync_path
+
+    def ctrl_c_at_the_swap(path):
+        real(path)
+        if path.name == tmp_path.name:   # the parent, right after the rename
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(rename, "fsync_path", ctrl_c_at_the_swap)
+    r = CliRunner().invoke(main, ["heal", str(saved / "conv"), "--teacher", str(saved / "orig"), "--data",
+                                  str(saved / "train.txt"), "--steps", "2", "--seq-len", "32", "--batch-size", "4",
+                                  "-o", str(tmp_path / "h")])
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines() == [f"interrupted during the final save 2/2 steps: {tmp_path / 'h'} written"]
+    assert read_config(tmp_path / "h")["normswap_heal"]["steps_done"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]

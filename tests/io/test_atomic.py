@@ -19,6 +19,7 @@ from normswap import textdata
 from normswap.cli import main
 from normswap.models.demo import DEMO_DIR
 from normswap.errors import NormswapError
+from normswap.io import rename
 
 from helpers.cli import one_error_line, run, snapshot
 from helpers.tiny import tiny_model
@@ -110,30 +111,34 @@ def test_onnx_inside_out_is_refused(gpt2_dir, tmp_path):
 
 
 def test_export_never_replaces_a_foreign_file(tmp_path, converted):
-    src = tmp_path / "src"
-    normswap.save_pretrained(converted, src)
-    config = (src / "config.json").read_bytes()
+    src, mine = tmp_path / "src", tmp_path / "mine"
+    before = own_output(src, converted)
+    mine.mkdir()
+    (mine / "config.json").write_bytes((src / "config.json").read_bytes())
+    config = (mine / "config.json").read_bytes()
     for cmd in (["export", src], ["convert", src, "--to", "rmsnorm", "-o", tmp_path / "o"]):
-        line = one_error_line(run(*cmd, "--onnx", src / "config.json", "--overwrite"))
-        assert line == f"error: {src / 'config.json'} is not an ONNX file normswap exported: " \
+        line = one_error_line(run(*cmd, "--onnx", mine / "config.json", "--overwrite"))
+        assert line == f"error: {mine / 'config.json'} is not an ONNX file normswap exported: " \
                        "pass --overwrite-any to replace it"
-    assert (src / "config.json").read_bytes() == config and not (tmp_path / "o").exists()
+        line = one_error_line(run(*cmd, "--onnx", src / "m.onnx"))   # nothing is written inside SRC
+        assert line == f"error: {src / 'm.onnx'} is inside SRC {src}: write somewhere else"
+    assert (mine / "config.json").read_bytes() == config and not (tmp_path / "o").exists()
+    assert snapshot(src) == before
 
 
 # --- 13.6: the swap rolls back, killed runs are recovered, one writer at a time ---------------------
 
 def _fail_second_rename(monkeypatch, exc):
-    """os.rename/os.replace raise `exc` when moving the finished temp folder onto OUT."""
-    real_rename, real_replace = os.rename, os.replace
+    """On a file system that cannot exchange two paths: moving the finished temp folder onto OUT (after the
+    old OUT was renamed aside) raises `exc`."""
+    real = rename.rename_new
 
-    def make(real):
-        def fake(src, dst, *a, **k):
-            if ".tmp-" in os.path.basename(src) and not os.path.basename(dst).startswith("."):
-                raise exc
-            return real(src, dst, *a, **k)
-        return fake
-    monkeypatch.setattr(os, "rename", make(real_rename))
-    monkeypatch.setattr(os, "replace", make(real_replace))
+    def fake(src, dst):
+        if ".tmp-" in os.path.basename(src) and not os.path.basename(dst).startswith("."):
+            raise exc
+        return real(src, dst)
+    monkeypatch.setattr(rename, "exchange", lambda a, b: False)
+    monkeypatch.setattr(rename, "rename_new", fake)
 
 
 @pytest.mark.parametrize("exc", [OSError("disk gone"), KeyboardInterrupt()])
@@ -206,8 +211,8 @@ def test_sigterm_cleans_up_and_says_what_was_written(gpt2_dir, tmp_path, convert
     if where == "writing":
         from normswap.io import safetensors as shards
         monkeypatch.setattr(shards, "save_model", _term_then(shards.save_model))
-    else:  # between the renames: held until OUT is whole, then delivered
-        monkeypatch.setattr(os, "rename", _term_then(os.rename))
+    else:  # at the swap: held until OUT is whole, then delivered
+        monkeypatch.setattr(rename, "exchange", _term_then(rename.exchange))
     result = CliRunner().invoke(main, ["convert", str(gpt2_dir), "--to", "rmsnorm", "--method", "naive",
                                        "-o", str(out), "--overwrite"])
     assert result.exit_code == 143 and "Traceback" not in result.output

@@ -23,14 +23,20 @@ KILLED = textwrap.dedent("""
     from pathlib import Path
     pkg = sys.modules["normswap"] = types.ModuleType("normswap")  # atomic.py alone: no torch import
     pkg.__path__ = [sys.argv[3]]
+    from normswap.io import rename
     from normswap.io.atomic import atomic_dir
-    out, when, real = Path(sys.argv[1]), sys.argv[2], os.rename
+    out, when, real, exchange = Path(sys.argv[1]), sys.argv[2], os.rename, rename.exchange
 
-    def rename(a, b):   # killed outright right after moving the old OUT aside
+    def moved(a, b):   # killed outright right after moving the old OUT aside (no exchange on this system)
         real(a, b)
         if when == "swap" and Path(a) == out:
             os._exit(9)
-    os.rename = rename
+
+    def exchanged(a, b):   # killed outright right after exchanging the old OUT with the new one
+        assert exchange(a, b)
+        os._exit(9)
+    os.rename = moved
+    rename.exchange = exchanged if when == "exchange" else lambda a, b: False
     with atomic_dir(out, overwrite=True) as tmp:
         (tmp / "config.json").write_text('{"normswap": {"who": "killed"}}')
         if when == "writing":
@@ -120,3 +126,16 @@ def test_out_where_src_symlinks_point_is_refused(tmp_path, gpt2_dir):
         assert result.exit_code == 1 and "would replace SRC" in result.output
         assert "symlinks in it point there" in result.output
     assert snapshot(blobs) == before
+
+
+def test_killed_right_after_the_exchange_leaves_the_new_out(tmp_path, converted):
+    """Issue 33 (17): OUT is the old or the new folder at every instant: killed just after the swap, OUT is the
+    new one, and the old one (under the journaled temp name) goes at the next write."""
+    out = tmp_path / "m"
+    normswap.save_pretrained(converted, out)
+    kill_during(out, "exchange")
+    assert json.loads((out / "config.json").read_text()) == {"normswap": {"who": "killed"}}
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name != "m")
+    assert len(leftovers) == 2 and leftovers[0] == ".m.lock" and ".m.tmp-" in leftovers[1]
+    normswap.save_pretrained(converted, out, overwrite="any")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"] and normswap.from_pretrained(out) is not None

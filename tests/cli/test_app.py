@@ -1,0 +1,29 @@
+"""Issue 33 (20, 21): every error is one line, whatever the message holds (newlines and terminal escapes from a
+file's names are shown escaped); an out-of-memory error with no message still says what happened."""
+from __future__ import annotations
+
+import pytest
+
+from normswap.cli import convert as convert_cli
+from normswap.errors import NormswapError, printable
+from normswap.surgery.report import ConversionReport
+
+from helpers.cli import one_error_line, run
+
+
+@pytest.mark.parametrize("exc,line", [
+    (MemoryError(), "error: MemoryError: out of memory"),
+    (IndexError(), "error: IndexError: (no message)"),
+    (NormswapError("tensor a\nb\x1b[31m is odd"), "error: tensor a\\x0ab\\x1b[31m is odd"),
+    (RuntimeError("\n\nCUDA out of memory\x9b2J\nmore"), "error: RuntimeError: CUDA out of memory\\x9b2J")])
+def test_errors_are_one_line_whatever_the_message(monkeypatch, exc, line):
+    def fail(*a, **k):
+        raise exc
+    monkeypatch.setattr(convert_cli, "inspect_checkpoint", fail)
+    assert one_error_line(run("inspect", "normswap-demo")) == line
+
+
+def test_report_lines_show_names_escaped():
+    report = ConversionReport(to="rmsnorm", method="naive", not_preserved=["h\x1b[2J: changed\nfake line"])
+    assert report.to_table().splitlines()[-1] == "not preserved: h\\x1b[2J: changed\\x0afake line"
+    assert printable("tab\there ok é") == "tab\\x09here ok é"

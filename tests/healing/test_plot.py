@@ -1,0 +1,36 @@
+"""Issue 33 (20): `normswap plot` of a malformed heal_log.json says "not a heal log" in one line, whatever is
+wrong in it (strings, nulls, a missing step, lora as a number), never a TypeError or KeyError."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.cli import one_error_line, run
+
+GOOD = {"train": "norms", "objective": "kd", "steps_done": 2, "trainable": 10, "lora": None, "best_step": 2,
+        "log_history": [{"step": 1, "loss": 1.0, "learning_rate": 0.1}, {"step": 2, "loss": 0.5, "eval_kl": 0.2}]}
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"log_history": [{"step": 1, "loss": "high"}]}, "log_history[0].loss is not a number"),
+    ({"log_history": [{"loss": 1.0}]}, "log_history[0] has no step number"),
+    ({"log_history": [None]}, "log_history[0] has no step number"),
+    ({"log_history": [{"step": "1", "loss": 1.0}]}, "log_history[0] has no step number"),
+    ({"log_history": [{"step": 1, "loss": None}]}, "log_history[0].loss is not a number"),
+    ({"lora": 4}, "lora is int"),
+    ({"train": 3}, "train is int"),
+    ({"best_step": "2"}, "best_step is str")])
+def test_a_malformed_log_is_not_a_heal_log(tmp_path, change, why):
+    log = tmp_path / "heal_log.json"
+    log.write_text(json.dumps({**GOOD, **change}))
+    assert one_error_line(run("plot", log, "-o", tmp_path / "p.png")) == f"error: {log} is not a heal log ({why})"
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_well_formed_log_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "heal_log.json"
+    log.write_text(json.dumps(GOOD))
+    result = run("plot", log, "-o", tmp_path / "p.png")
+    assert result.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 1000
