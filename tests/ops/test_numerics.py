@@ -180,3 +180,18 @@ def test_compiled_norm_matches_fp64_over_the_documented_range(dtype, scale, tol)
     y = torch.compile(lambda a: reference.rms_norm_reference(a, w.to(dtype), EPS), backend="aot_eager")(x)
     want = fp64_rms(x, w.to(dtype), 64)
     assert torch.isfinite(y).all() and ((y.double() - want).abs().amax(-1) <= tol * want.abs().amax(-1) + 1e-30).all()
+
+
+def test_compiled_norm_does_not_guard_on_the_environment():
+    """The backend setting is read once, at trace time, as a constant: the guards a compiled norm checks at
+    every call do not walk the process environment (os.environ's mapping: ~50 us a call, measured)."""
+    cache_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if cache_entries is None:
+        pytest.skip("this torch does not expose dynamo's cache entries")
+    norm, x = RMSNorm(32), torch.randn(2, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(norm, backend="eager")(x)
+    (entry,) = cache_entries(RMSNorm.forward.__code__)
+    guards = str(entry.guard_manager)
+    assert "rms_norm" in guards and "environ" not in guards
