@@ -138,3 +138,12 @@ def test_failed_onnx_export_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
     result = run("convert", gpt2_dir, "--to", "rmsnorm", "-o", tmp_path / "out", "--onnx", tmp_path / "m.onnx")
     assert result.exit_code == 1 and "error: ORT parity 1e-2 above tolerance" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("src", ["demo-rms/", "my model", "a/b/"])
+def test_a_missing_folder_that_no_hub_id_could_be_is_named_missing(src, tmp_path, monkeypatch):
+    """Issue 33 #9: `inspect demo-rms/` said "offline: cannot reach the Hub"; no Hub id ends with a slash."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run("inspect", src)
+    assert result.exit_code == 1 and result.output.strip() == f"error: no such folder: {src}", result.output
