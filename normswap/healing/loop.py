@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from normswap import progress as shown_progress
 from normswap import signals
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.io import safetensors
@@ -87,7 +88,7 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, parti
 
 def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None,
          options: HealOptions | None = None, *, out: str | Path | None = None, overwrite: bool = False,
-         progress: bool = True, callback: Callable[[int, float], None] | None = None,
+         progress: bool = False, callback: Callable[[int, float], None] | None = None,
          cpu: bool | None = None, fsdp: bool | None = None, partial: str | Path | None = None,
          **fields) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
@@ -97,11 +98,13 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
     through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
-    out: save the result there (atomically) at the end, with heal_log.json. callback(step, loss) runs after
-    every step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
-    the module docstring. fsdp: shard the student over the processes (None: when the launch asked for FSDP).
-    partial: where an interrupted run saves (default `<out>.partial`). Diverged training (a non-finite
-    loss or weight) raises NormswapError, nothing saved; `student` then holds the last finite step.
+    out: save the result there (atomically) at the end, with heal_log.json. progress: draw a bar on stderr
+    (off by default: a library does not draw on your terminal; `normswap heal` turns it on). callback(step,
+    loss) runs after every step. cpu: train on the CPU even where CUDA is available (None: CUDA when
+    available). Ctrl-C: see the module docstring. fsdp: shard the student over the processes (None: when
+    the launch asked for FSDP). partial: where an interrupted run saves (default `<out>.partial`). Diverged
+    training (a non-finite loss or weight) raises NormswapError, nothing saved; `student` then holds the last
+    finite step.
     """
     if options is not None and not isinstance(options, HealOptions):
         raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
@@ -146,11 +149,10 @@ class State:
 def _train(run: Run, progress: bool, callback: Callable[[int, float], None] | None) -> State:
     """The step loop under heal's signal handler, then its stopping; the student restored (adapters merged,
     flags and dtype as they were) however the loop ends."""
-    from tqdm.auto import tqdm
-
     state = State()
     previous = signals.install(state.on_signal)
-    bar = tqdm(total=run.steps, desc="heal", disable=not progress or not run.accelerator.is_local_main_process)
+    bar = shown_progress.bar(total=run.steps, desc="heal",
+                             enabled=progress and run.accelerator.is_local_main_process)
     state.start = time.perf_counter()
     try:
         _steps(run, state, bar, callback)

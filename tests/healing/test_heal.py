@@ -277,3 +277,10 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_training(pair, tok, tmp_p
         heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=3, out=tmp_path / "new" / "out",
              callback=lambda step, loss: steps.append(step), **FAST)
     assert steps == [] and sorted(tmp_path.iterdir()) == []
+
+
+def test_the_api_draws_no_progress_bar_by_default(pair, tok, capsys):
+    """Issue 33 #15: `normswap.heal` drew a tqdm bar on stderr unless told not to; `normswap heal` turns it on."""
+    teacher, student = pair
+    heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=2, seq_len=32, batch_size=4)
+    assert "heal" not in capsys.readouterr().err
