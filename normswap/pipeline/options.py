@@ -121,3 +121,18 @@ class InspectOptions:
 class PlotOptions:
     """`normswap plot`'s options."""
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Everything `generate_checkpoint` does besides naming SRC and the prompt (`normswap generate`'s options)."""
+    max_new_tokens: int = field(default=40, metadata=dict(
+        flag="--max-new-tokens", type=int, min=1, show_default=True, help="Tokens to generate after the prompt."))
+    sample: bool = field(default=False, metadata=dict(   # False: greedy, whatever generation_config.json says
+        flag="--sample", secondary="--greedy", show_default=True,
+        help="Sample (with --temperature and --seed) instead of greedy decoding."))
+    temperature: float = field(default=1.0, metadata=dict(
+        flag="--temperature", type=float, min=0, min_open=True, show_default=True, help="With --sample."))
+    seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True, help="With --sample."))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)
