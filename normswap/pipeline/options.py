@@ -97,9 +97,12 @@ class ExportOptions:
     target: str = field(default="ort", metadata=dict(   # "ort" | "onnx23"
         flag="--target", show_default=True,
         help="ort: SimplifiedLayerNormalization (+Skip) for onnxruntime; onnx23: standard RMSNormalization."))
-    dtype: str = field(default="fp32", metadata=dict(   # the graph's "fp32" | "fp16" (the model loads as stored)
-        flag="--dtype", choices=("fp32", "fp16"), show_default=True,
-        help="Weights and activations of the graph (fp16: norm statistics stay fp32).",
+    # the graph's "fp32" | "fp16" (the model loads as stored); "bf16" is refused: onnxruntime's CPU provider,
+    # which validates every export, has no bf16 kernels
+    dtype: str = field(default="fp32", metadata=dict(
+        flag="--dtype", choices=("fp32", "fp16", "bf16"), show_default=True,
+        help="Weights and activations of the graph (fp16: norm statistics stay fp32; bf16: refused, "
+             "onnxruntime's CPU cannot run it to validate it).",
         also={"fp16": ("--fp16", "Same as --dtype fp16.")}))
     with_past: bool | None = field(default=None, metadata=dict(   # None: on for decoders into OUT, off with onnx
         flag="--with-past", secondary="--no-past",
@@ -113,8 +116,9 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class InspectOptions:
-    """How `inspect_checkpoint` loads SRC (`normswap inspect`'s options)."""
+    """How `inspect_checkpoint` loads SRC and where it traces it (`normswap inspect`'s options)."""
     load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)   # where the traced forward runs
 
 
 @dataclass(frozen=True)
