@@ -43,8 +43,8 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
     section["conversions"] = section["conversions"] + [{"to": report.to, "method": report.method,
                                                         "p": report.p, "norms": report.num_converted}]
-    if report.unverified:   # returned outputs this conversion changes: every load of the folder says so
-        section["not_preserved"] = {**section.get("not_preserved", {}), **report.unverified}
+    if report.not_preserved:   # outputs this conversion changes, as the report says: every load of the folder says so
+        section["not_preserved"] = {**section.get("not_preserved", {}), **report.not_preserved}
     set_section(model, section)
 
 

@@ -28,7 +28,7 @@ class ConversionReport:
     added_biases: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     verification: dict | None = None                        # filled by methods that verify themselves
-    not_preserved: list[str] = field(default_factory=list)  # outputs an exact conversion changes: "name: why"
+    not_preserved: dict[str, str] = field(default_factory=dict)  # outputs an exact conversion changes -> why
     unverified: dict[str, str] = field(default_factory=dict)  # of those, returned ones by name (not compared)
 
     @property
@@ -57,7 +57,7 @@ class ConversionReport:
             summary += f"; biases added to {len(self.added_biases)} layers"
         out = lines + [summary] if self.converted else [summary]
         out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
-        out += [f"not preserved: {n}" for n in self.not_preserved]
+        out += [f"not preserved: {n}: {why}" for n, why in self.not_preserved.items()]
         out += [f"warning: {w}" for w in self.warnings] if warnings else []
         return "\n".join(out)
 
