@@ -44,7 +44,7 @@ from normswap.healing.objective import window_losses
 from normswap.healing.options import HealOptions, check_lr, partial_path
 from normswap.healing.params import DEFAULT_LR
 from normswap.healing.prepare import Run, prepare, restore
-from normswap.healing.report import HealReport
+from normswap.healing.report import HealReport, ends
 from normswap.models import save
 from normswap.models.introspect import is_causal_lm
 from normswap.models.source import read_config
@@ -238,8 +238,7 @@ def _report(run: Run, state: State) -> HealReport:
     o, m, losses = run.options, run.monitor, state.losses
     ranks = run.accelerator.num_processes
     return HealReport(run.steps, len(losses), o.train, o.objective, run.trainable, run.lr, run.windows.seq_len,
-                      o.batch_size, o.seed, losses[0] if losses else None,
-                      sum(losses[-10:]) / len(losses[-10:]) if losses else None, time.perf_counter() - state.start,
+                      o.batch_size, o.seed, *ends(losses), time.perf_counter() - state.start,
                       "fsdp" if run.sharded else "ddp" if ranks > 1 else "none", ranks, run.units,
                       interrupted=len(losses) < run.steps and not m.stopped_early,
                       signum=int(state.signum) if state.signum else None, parameters=run.parameters,

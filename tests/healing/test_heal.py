@@ -284,3 +284,28 @@ def test_the_api_draws_no_progress_bar_by_default(pair, tok, capsys):
     teacher, student = pair
     heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=2, seq_len=32, batch_size=4)
     assert "heal" not in capsys.readouterr().err
+
+
+def test_the_summary_compares_like_with_like_and_says_what(pair, tok):
+    """Issue 33 #13: "loss A -> B" set the first step's loss (one random batch) beside the mean of the last 10,
+    unlabelled: a run whose held-out KL fell 3x could print a rising loss."""
+    teacher, student = pair
+    report = heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, steps=6, **FAST)
+    first, last = sum(report.losses[:3]) / 3, sum(report.losses[-3:]) / 3
+    assert (report.loss_first, report.loss_last) == (pytest.approx(first), pytest.approx(last))
+    assert f"training loss (mean of the first 3 steps -> the last 3) {first:.4g} -> {last:.4g}" in str(report)
+
+
+def test_cli_convert_finetune_prints_parity_before_and_after_healing(pair, tok, saved, tmp_path):
+    """Issue 33 #13: `convert --finetune-steps` printed one unlabelled parity line before the heal's summary."""
+    r = _run("convert", saved / "orig", "--to", "rmsnorm", "--method", "naive", "--finetune-steps", 20,
+             "--data", saved / "train.txt", "-o", tmp_path / "c", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    before, after = data["parity_before_heal"]["kl"], data["parity"]["kl"]
+    assert after < before   # what the heal did, on the same sample inputs
+    text = _run("convert", saved / "orig", "--to", "rmsnorm", "--method", "naive", "--finetune-steps", 20,
+                "--data", saved / "train.txt", "-o", tmp_path / "d").output.splitlines()
+    lines = [line for line in text if line.startswith(("before healing", "healed", "after healing", "parity"))]
+    assert [line[:33] for line in lines] == ["before healing: parity vs origina", "healed 20/20 steps (norms, 160 pa",
+                                             "after healing: parity vs original"]
