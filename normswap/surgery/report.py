@@ -12,7 +12,7 @@ class NormRecord:
     width: int
     eps: float
     to: str                # "rmsnorm" | "prmsnorm"
-    method: str            # "naive" | "exact"
+    method: str            # "naive" | "exact" | "approximate" (pRMSNorm: the exact method's folding, then pRMSNorm)
     bias: str              # "dropped" | "folded" | "none"
     bias_norm: float       # L2 norm of the LayerNorm bias
 

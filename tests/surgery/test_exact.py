@@ -147,6 +147,8 @@ def test_prmsnorm_folds_but_does_not_claim_exactness():
     model = build("gpt2")
     report = normswap.convert(model, to="prmsnorm", method="exact")
     assert not report.verification["enforced"] and any("approximate" in w for w in report.warnings)
+    # issue 33 #15: its rows were labelled `exact`
+    assert {r.method for r in report.converted} == {"approximate"} and "  exact  " not in report.to_table()
 
 
 def test_cli_default_is_auto_and_exact(tmp_path):
