@@ -42,7 +42,7 @@ from normswap.healing import fsdp as heal_fsdp
 from normswap.healing import tracking
 from normswap.healing.objective import window_losses
 from normswap.healing.options import HealOptions, check_lr, partial_path
-from normswap.healing.params import DEFAULT_LR
+from normswap.healing.params import DEFAULT_LR, default_train
 from normswap.healing.prepare import Run, prepare, restore
 from normswap.healing.report import HealReport, ends
 from normswap.models import save
@@ -53,7 +53,7 @@ from normswap.textdata import wrap_special
 
 def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite, partial):
     if train not in DEFAULT_LR:
-        raise NormswapError(f"unknown train mode '{train}': choose norms, all or lora")
+        raise NormswapError(f"unknown train mode '{train}': choose auto, norms, all or lora")
     if objective not in ("kd", "lm"):
         raise NormswapError(f"unknown objective '{objective}': choose kd or lm")
     if objective == "kd" and teacher is None:
@@ -95,8 +95,9 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
 
     options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
     its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
-    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
-    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3). AdamW, no
+    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4), "lora" (adapters
+    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3) or "auto" (the
+    default: norms, but lora for a pRMSNorm conversion, all without peft; `params.default_train`). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
     out: save the result there (atomically) at the end, with heal_log.json. progress: draw a bar on stderr
     (off by default: a library does not draw on your terminal; `normswap heal` turns it on). callback(step,
@@ -109,6 +110,8 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     if options is not None and not isinstance(options, HealOptions):
         raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
     o = dataclasses.replace(options or HealOptions(), **fields)
+    if o.train == "auto":   # by what the conversion changed
+        o = dataclasses.replace(o, train=default_train(student))
     partial = Path(partial) if partial is not None else partial_path(out) if out is not None else None
     _check(student, teacher, texts, o.train, o.objective, o.steps, o.lr, o.seq_len, o.batch_size, out, overwrite,
            partial)
