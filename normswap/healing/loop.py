@@ -26,6 +26,7 @@ import json
 import math
 import signal
 import time
+import warnings
 from pathlib import Path
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ from normswap.healing.params import DEFAULT_LR, default_train
 from normswap.healing.prepare import Run, prepare, restore
 from normswap.healing.report import HealReport, ends
 from normswap.models import save
+from normswap.models.demo import contains_heldout
 from normswap.models.introspect import is_causal_lm
 from normswap.models.source import read_config
 from normswap.textdata import wrap_special
@@ -116,6 +118,9 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     _check(student, teacher, texts, o.train, o.objective, o.steps, o.lr, o.seq_len, o.batch_size, out, overwrite,
            partial)
     tracking.check(o, out)
+    if contains_heldout(texts):   # an honest number needs text the heal never saw
+        warnings.warn("the training text contains the held-out chapters that `normswap eval` scores by default "
+                      "(Persuasion ch. 21-24): evaluate this heal on other text (eval --data)", stacklevel=2)
     run = prepare(student, teacher, texts, tokenizer, o, cpu, fsdp)
     state = _train(run, progress, callback)
     _check_finite(run, state)

@@ -38,7 +38,8 @@ class ConvertOptions:
         flag="--finetune-steps", type=int, min=0,
         help="Then heal: N distillation steps from the original on --data."))
     data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
-        flag="--data", multiple=True, type="path", help="Text file(s) for --finetune-steps."))
+        flag="--data", multiple=True, type="path",
+        help="Text file(s) for --finetune-steps (normswap-demo: the demo's heal text, no held-out chapter)."))
     onnx: str | None = field(default=None, metadata=dict(   # then export to this ONNX file (target ort)
         flag="--onnx", type="path", help="Then export to this ONNX file (target ort)."))
     max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
@@ -55,7 +56,9 @@ class HealCheckpointOptions:
     teacher: str | None = field(default=None, metadata=dict(   # the original model (needed by objective kd)
         flag="--teacher", help="The original model (folder, Hub id, normswap-demo)."))
     data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
-        flag="--data", multiple=True, type="path", help="Text file or folder of .txt (repeatable).",
+        flag="--data", multiple=True, type="path",
+        help="Text file or folder of .txt (repeatable); normswap-demo: the demo's heal text (Persuasion ch. 1-20, "
+             "never the held-out chapters eval scores).",
         aliases={"texts": "--data FILE"}))
     heal: HealOptions = HealOptions()     # steps, lr, train, objective, LoRA, held-out evaluation, trackers
     fsdp: bool | None = field(default=None, metadata=dict(   # shard the student (None: as the launch asks)

@@ -325,3 +325,10 @@ def test_the_default_mode_follows_what_the_conversion_changed(pair, tok, monkeyp
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find(name, *a))
     report = heal(student, teacher, TRAIN, tokenizer=tok, steps=1, **FAST)
     assert report.train == mode
+
+
+def test_training_on_the_held_out_chapters_is_warned_of(pair, tok):
+    """Issue 33 #7: healing on the whole Austen folder trains on the chapters `eval` scores by default."""
+    teacher, student = pair
+    with pytest.warns(UserWarning, match="contains the held-out chapters that `normswap eval` scores by default"):
+        heal(copy.deepcopy(student), teacher, [TRAIN[0] + heldout_text()], tokenizer=tok, steps=1, **FAST)
