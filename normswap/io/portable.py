@@ -351,9 +351,8 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
 
 
 def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: bool = False) -> None:
-    """Turn a freshly built original architecture into the converted one: the section is validated against
-    the model and its own checksum checked (the weights' is checked once they are loaded), then applied.
-    Every load warns of the outputs not preserved, but for `quiet` (normswap verifying a folder it writes)."""
+    """Turn a freshly built original architecture into the converted one: the section validated against the
+    model, its checksum checked (the weights' once loaded), applied; warns of outputs not preserved unless `quiet`."""
     validate(section, where, model)
     verify_checksum(section, None, where)
     apply_structure(model, section, make_norm)
