@@ -32,6 +32,8 @@ def generate_checkpoint(src: str, prompt: str, options: GenerateOptions | None =
     if int(o.max_new_tokens) < 1 or not o.temperature > 0:
         raise NormswapError(f"max_new_tokens must be >= 1 and temperature > 0, got {o.max_new_tokens} and "
                             f"{o.temperature}")
+    if not prompt:   # before the (slow) load
+        raise NormswapError("the prompt is empty: give some text to continue")
     device = resolve_device(o.device)
     model, tok = load_model(src, options=o.load)
     if not is_causal_lm(model):
@@ -44,13 +46,14 @@ def generate_checkpoint(src: str, prompt: str, options: GenerateOptions | None =
     model.to(device)
     config = model.generation_config
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad   # an eos list: its first id pads
     sampling = dict(do_sample=True, temperature=o.temperature) if o.sample else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    if o.sample:
-        torch.manual_seed(o.seed)
     try:
-        out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                             max_new_tokens=o.max_new_tokens, pad_token_id=pad, **sampling)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):   # the caller's RNG untouched
+            torch.manual_seed(o.seed)
+            out = model.generate(ids.to(device), attention_mask=torch.ones_like(ids).to(device),
+                                 max_new_tokens=o.max_new_tokens, pad_token_id=pad, **sampling)
     except (RuntimeError, ValueError, TypeError) as e:
         raise NormswapError(f"cannot generate with {src}: {first_line(e)}") from None
     new = out[0, ids.shape[1]:].tolist()
