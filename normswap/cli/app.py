@@ -55,7 +55,9 @@ class Group(click.Group):
             click.echo(f"error: {_one_line(e.format_message())}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
-            click.echo("interrupted", err=True)
+            # Ctrl-C outside a command's run (commands' own are handled in invoke): while a command's module
+            # imports, say; nothing was written yet
+            click.echo("interrupted: nothing was written", err=True)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
 
