@@ -18,7 +18,7 @@ from normswap.errors import NormswapError
 from normswap.models.demo import HELDOUT_FILE, heldout_text
 from normswap.models.introspect import is_causal_lm
 from normswap.models.modes import eval_mode
-from normswap.parity import compare, json_safe, scope
+from normswap.parity import compare, json_safe, nonnegative, scope, token_kl
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
 
@@ -31,7 +31,7 @@ class EvalReport:
     tokens: int | None = None              # tokens scored
     seq_len: int | None = None
     stride: int | None = None
-    kl: float | None = None                # mean KL(reference || model) per scored token
+    kl: float | None = None                # mean KL(reference || model) per scored token (never < 0)
     top1_agreement: float | None = None    # fraction of positions where both predict the same token
     cosine: float | None = None            # encoders: mean cosine of mean-pooled embeddings
     cosine_min: float | None = None
@@ -148,12 +148,12 @@ def _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size, sho
             count += len(pos)
             if ref is not None:
                 rp = ref[row, pos]
-                kl += (rp.exp() * (rp - lp)).sum(-1).double().sum().item()
+                kl += token_kl(rp, lp).double().sum().item()
                 agree += (rp.argmax(-1) == lp.argmax(-1)).sum().item()
     report = EvalReport("causal-lm", perplexity=math.exp(nll / count), nll=nll / count, tokens=count,
                         seq_len=seq_len, stride=stride)
     if reference is not None:
-        report.kl, report.top1_agreement = kl / count, agree / count
+        report.kl, report.top1_agreement = nonnegative(kl / count), agree / count
     return report
 
 

@@ -275,9 +275,9 @@ def compare_to(reference: Reference, model: nn.Module, skip: dict | None = None)
                 st[1] = torch.maximum(st[1], x.abs().max().cpu())
                 if name == "logits" == reference.output:
                     lx, ly = x.log_softmax(-1), y.log_softmax(-1)
-                    kls.append((lx.exp() * (lx - ly)).sum(-1).flatten())
+                    kls.append(token_kl(lx, ly).flatten())
     outputs = {n: {"max_abs": d.item(), "max_rel": rel(d.item(), r.item())} for n, (d, r) in stats.items()}
-    kl = torch.cat(kls).mean().item() if kls else None
+    kl = nonnegative(torch.cat(kls).mean().item()) if kls else None
     if bad_ref or bad:
         kl = float("nan")
         outputs = {n: {"max_abs": float("nan"), "max_rel": float("nan")} for n in outputs}
@@ -302,6 +302,17 @@ def refuse_nonfinite(parity: Parity) -> None:
         raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
                             f"{grouped(parity.outputs) or parity.output} values on sample inputs (the original: "
                             f"{parity.ref_nonfinite}); nothing was saved")
+
+
+def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) per position, from log-probabilities over the last dim."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
+def nonnegative(kl: float) -> float:
+    """A mean KL as reported: KL is never negative, so a mean below 0 (-1e-9 where the two models agree) is
+    rounding, and is 0 (NaN stays NaN)."""
+    return 0.0 if kl < 0 else kl
 
 
 def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None,

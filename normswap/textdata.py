@@ -7,14 +7,19 @@ from pathlib import Path
 import torch
 
 from normswap.errors import NormswapError
+from normswap.models.demo import DEMO_NAME, HEAL_FILE
 from normswap.models.introspect import config_int
 
 
 def read_texts(paths) -> list[str]:
-    """The contents of text files (a folder stands for its *.txt files); one-line errors otherwise."""
+    """The contents of text files (a folder stands for its *.txt files; `normswap-demo`, where no such file
+    exists, for the demo's heal text: its training split, without the held-out chapters); one-line errors
+    otherwise."""
     files: list[Path] = []
     for p in map(Path, paths):
-        if p.is_dir():
+        if str(p) == DEMO_NAME and not p.exists():
+            files.append(HEAL_FILE)
+        elif p.is_dir():
             found = sorted(p.glob("*.txt"))
             if not found:
                 raise NormswapError(f"{p} is a folder with no .txt files")

@@ -98,12 +98,11 @@ class Lazy:
         key = self.key(name)
         if key is None:
             return None
-        value = self.reader.get(key)
+        stored = self.reader.get(key)
+        if self.bar is not None:   # the file's bytes (the totals are file sizes), not the cast's
+            self.bar.update(stored.numel() * stored.element_size())
         via = self.via.get(name)
-        value = (value.to(via) if via is not None and value.is_floating_point() else value).to(dtype)
-        if self.bar is not None:
-            self.bar.update(value.numel() * value.element_size())
-        return value
+        return (stored.to(via) if via is not None and stored.is_floating_point() else stored).to(dtype)
 
     def _load_one(self, module: nn.Module, full: str, n: str, t: torch.Tensor, held: list | None) -> None:
         value = self.read(full, t.dtype)

@@ -4,12 +4,14 @@ Exit codes: 0 success, 1 runtime error, 2 usage error, 130 Ctrl-C, 143 SIGTERM.
 """
 from __future__ import annotations
 
+import importlib
 import signal
 import sys
 
 import click
 
 from normswap import signals
+from normswap.cli.commands import COMMANDS
 from normswap.cli.flags import error_names
 from normswap.errors import Interrupted, NormswapError, first_line, printable
 
@@ -21,7 +23,21 @@ def _one_line(text: str) -> str:
 
 
 class Group(click.Group):
-    """Turns every failure into one line on stderr and a non-zero exit, never a traceback."""
+    """Turns every failure into one line on stderr and a non-zero exit, never a traceback. Its commands
+    (`lazy`: name -> "module:function") are imported when first asked for."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx, name: str):
+        if name not in self.commands and name in self.lazy:
+            module, _, function = self.lazy[name].partition(":")
+            self.add_command(getattr(importlib.import_module(module), function), name)
+        return self.commands.get(name)
 
     def main(self, *args, standalone_mode=True, **kwargs):
         if not standalone_mode:
@@ -39,21 +55,24 @@ class Group(click.Group):
             click.echo(f"error: {_one_line(e.format_message())}", err=True)
             sys.exit(e.exit_code)
         except click.Abort:
-            click.echo("interrupted", err=True)
+            # Ctrl-C outside a command's run (commands' own are handled in invoke): while a command's module
+            # imports, say; nothing was written yet
+            click.echo("interrupted: nothing was written", err=True)
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)
 
     def flag_names(self) -> dict[str, str]:
         """How errors name options on the command line, from the options dataclasses of every command."""
-        classes = dict.fromkeys(getattr(c.callback, "options_class", None) for c in self.commands.values())
+        commands = [self.get_command(None, name) for name in self.list_commands(None)]
+        classes = dict.fromkeys(getattr(c.callback, "options_class", None) for c in commands)
         return error_names(*(c for c in classes if c is not None))
 
     def invoke(self, ctx):
         old_term = signals.install(signals.interrupt, (signal.SIGTERM,))  # SIGTERM ends a run as Ctrl-C does
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
-            raise
+        except (click.exceptions.Exit, click.ClickException, click.Abort, BrokenPipeError):
+            raise   # a closed pipe (`| head -3`): click's main ends quietly, exit 1
         except NormswapError as e:
             click.echo(f"error: {printable(e.for_cli(self.flag_names()))}", err=True)
         except KeyboardInterrupt as e:
@@ -69,7 +88,7 @@ class Group(click.Group):
         sys.exit(1)
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="normswap")
 @click.option("-q", "--quiet", "quiet", count=True,
               help="No warnings, no progress bars (errors and the result still print).")

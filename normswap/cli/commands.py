@@ -1,10 +1,7 @@
-"""The `normswap` group with every command registered on it."""
-from normswap.cli.app import main
-from normswap.cli.convert import convert, inspect
-from normswap.cli.export import export
-from normswap.cli.heal import eval_cmd, heal, plot_cmd
-
-for command in (convert, inspect, heal, eval_cmd, export, plot_cmd):
-    main.add_command(command)
-
-__all__ = ["main"]
+"""The `normswap` commands, by name: the module and function of each, imported only when that command runs
+(or help lists it), so `normswap --version` imports neither torch nor transformers."""
+COMMANDS = {
+    "convert": "normswap.cli.convert:convert", "inspect": "normswap.cli.convert:inspect",
+    "heal": "normswap.cli.heal:heal", "eval": "normswap.cli.heal:eval_cmd", "plot": "normswap.cli.heal:plot_cmd",
+    "export": "normswap.cli.export:export", "generate": "normswap.cli.generate:generate",
+}

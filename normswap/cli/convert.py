@@ -35,9 +35,12 @@ def convert(src, out, opts: Shared, options: ConvertOptions):
         click.echo(json.dumps(result.to_dict()))
         return
     click.echo(report.to_table(warnings=False))
-    click.echo(str(result.parity))
-    if result.healed:
+    if result.healed:   # the conversion's parity, the heal, then the healed model's parity
+        click.echo(f"before healing: {result.parity_before_heal}")
         click.echo(str(result.healed))
+        click.echo(f"after healing: {result.parity}")
+    else:
+        click.echo(str(result.parity))
     click.echo(f"saved to {out}")
     if result.exported:
         click.echo(str(result.exported))

@@ -51,12 +51,18 @@ def shared(options=None, skip=()):
 def setup_output(opts: Shared) -> None:
     """Library logging and progress bars for one command: -q errors only, default warnings, -v info."""
     log = transformers.utils.logging
+    warnings.formatwarning = _one_line_warning
     if opts.verbosity < 0:
         log.set_verbosity_error()
         warnings.filterwarnings("ignore")
     else:
         log.set_verbosity_info() if opts.verbosity > 0 else log.set_verbosity_warning()
     log.enable_progress_bar() if opts.show_progress else log.disable_progress_bar()
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A library's (or a folder load's) warning as the CLI prints its own: `warning: ...`, one line, no source line."""
+    return f"warning: {' '.join(str(message).split())}\n"
 
 
 def warn(message: str) -> None:

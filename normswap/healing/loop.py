@@ -26,12 +26,14 @@ import json
 import math
 import signal
 import time
+import warnings
 from pathlib import Path
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from normswap import progress as shown_progress
 from normswap import signals
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.io import safetensors
@@ -41,10 +43,11 @@ from normswap.healing import fsdp as heal_fsdp
 from normswap.healing import tracking
 from normswap.healing.objective import window_losses
 from normswap.healing.options import HealOptions, check_lr, partial_path
-from normswap.healing.params import DEFAULT_LR
+from normswap.healing.params import DEFAULT_LR, default_train
 from normswap.healing.prepare import Run, prepare, restore
-from normswap.healing.report import HealReport
+from normswap.healing.report import HealReport, ends
 from normswap.models import save
+from normswap.models.demo import contains_heldout
 from normswap.models.introspect import is_causal_lm
 from normswap.models.source import read_config
 from normswap.textdata import wrap_special
@@ -52,7 +55,7 @@ from normswap.textdata import wrap_special
 
 def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_size, out, overwrite, partial):
     if train not in DEFAULT_LR:
-        raise NormswapError(f"unknown train mode '{train}': choose norms, all or lora")
+        raise NormswapError(f"unknown train mode '{train}': choose auto, norms, all or lora")
     if objective not in ("kd", "lm"):
         raise NormswapError(f"unknown objective '{objective}': choose kd or lm")
     if objective == "kd" and teacher is None:
@@ -88,29 +91,37 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, parti
 
 def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None,
          options: HealOptions | None = None, *, out: str | Path | None = None, overwrite: bool = False,
-         progress: bool = True, callback: Callable[[int, float], None] | None = None,
+         progress: bool = False, callback: Callable[[int, float], None] | None = None,
          cpu: bool | None = None, fsdp: bool | None = None, partial: str | Path | None = None,
          **fields) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
     its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
-    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4) or "lora" (adapters
-    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3). AdamW, no
+    train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4), "lora" (adapters
+    through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3) or "auto" (the
+    default: norms, but lora for a pRMSNorm conversion, all without peft; `params.default_train`). AdamW, no
     weight decay, 10% warm-up then cosine; dropout off; batches drawn with `seed`, so runs repeat exactly.
-    out: save the result there (atomically) at the end, with heal_log.json. callback(step, loss) runs after
-    every step. cpu: train on the CPU even where CUDA is available (None: CUDA when available). Ctrl-C: see
-    the module docstring. fsdp: shard the student over the processes (None: when the launch asked for FSDP).
-    partial: where an interrupted run saves (default `<out>.partial`). Diverged training (a non-finite
-    loss or weight) raises NormswapError, nothing saved; `student` then holds the last finite step.
+    out: save the result there (atomically) at the end, with heal_log.json. progress: draw a bar on stderr
+    (off by default: a library does not draw on your terminal; `normswap heal` turns it on). callback(step,
+    loss) runs after every step. cpu: train on the CPU even where CUDA is available (None: CUDA when
+    available). Ctrl-C: see the module docstring. fsdp: shard the student over the processes (None: when
+    the launch asked for FSDP). partial: where an interrupted run saves (default `<out>.partial`). Diverged
+    training (a non-finite loss or weight) raises NormswapError, nothing saved; `student` then holds the last
+    finite step.
     """
     if options is not None and not isinstance(options, HealOptions):
         raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
     o = dataclasses.replace(options or HealOptions(), **fields)
+    if o.train == "auto":   # by what the conversion changed
+        o = dataclasses.replace(o, train=default_train(student))
     partial = Path(partial) if partial is not None else partial_path(out) if out is not None else None
     _check(student, teacher, texts, o.train, o.objective, o.steps, o.lr, o.seq_len, o.batch_size, out, overwrite,
            partial)
     tracking.check(o, out)
+    if contains_heldout(texts):   # an honest number needs text the heal never saw
+        warnings.warn("the training text contains the held-out chapters that `normswap eval` scores by default "
+                      "(Persuasion ch. 21-24): evaluate this heal on other text (eval --data)", stacklevel=2)
     run = prepare(student, teacher, texts, tokenizer, o, cpu, fsdp)
     state = _train(run, progress, callback)
     _check_finite(run, state)
@@ -147,11 +158,10 @@ class State:
 def _train(run: Run, progress: bool, callback: Callable[[int, float], None] | None) -> State:
     """The step loop under heal's signal handler, then its stopping; the student restored (adapters merged,
     flags and dtype as they were) however the loop ends."""
-    from tqdm.auto import tqdm
-
     state = State()
     previous = signals.install(state.on_signal)
-    bar = tqdm(total=run.steps, desc="heal", disable=not progress or not run.accelerator.is_local_main_process)
+    bar = shown_progress.bar(total=run.steps, desc="heal",
+                             enabled=progress and run.accelerator.is_local_main_process)
     state.start = time.perf_counter()
     try:
         _steps(run, state, bar, callback)
@@ -237,8 +247,7 @@ def _report(run: Run, state: State) -> HealReport:
     o, m, losses = run.options, run.monitor, state.losses
     ranks = run.accelerator.num_processes
     return HealReport(run.steps, len(losses), o.train, o.objective, run.trainable, run.lr, run.windows.seq_len,
-                      o.batch_size, o.seed, losses[0] if losses else None,
-                      sum(losses[-10:]) / len(losses[-10:]) if losses else None, time.perf_counter() - state.start,
+                      o.batch_size, o.seed, *ends(losses), time.perf_counter() - state.start,
                       "fsdp" if run.sharded else "ddp" if ranks > 1 else "none", ranks, run.units,
                       interrupted=len(losses) < run.steps and not m.stopped_early,
                       signum=int(state.signum) if state.signum else None, parameters=run.parameters,

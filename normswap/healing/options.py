@@ -70,7 +70,8 @@ class LoraOptions:
 class HealOptions:
     """What `heal` trains and how. Every field is also a keyword of `heal` (`heal(..., steps=100)`).
 
-    train: "norms" (norm gains and the biases a conversion added), "all", or "lora" (adapters, see `lora`).
+    train: "norms" (norm gains and the biases a conversion added), "all", "lora" (adapters, see `lora`), or
+    "auto": by what the conversion changed (`params.default_train`: norms, but lora for pRMSNorm).
     lr: default 1e-2 (norms), 3e-4 (all), 5e-3 (lora; the norm gains at 1e-2). AdamW, no weight decay, 10% of
     the steps warm-up then cosine to zero.
 
@@ -88,10 +89,11 @@ class HealOptions:
     lr: float | None = field(default=None, metadata=dict(
         flag="--lr", type=float, min=0, min_open=True,
         help="Default: 1e-2 (norms), 3e-4 (all), 5e-3 (lora adapters; norm gains 1e-2)."))
-    train: str = field(default="norms", metadata=dict(
-        flag="--train", choices=("norms", "all", "lora"), show_default=True,
+    train: str = field(default="auto", metadata=dict(
+        flag="--train", choices=("auto", "norms", "all", "lora"), show_default=True,
         help="norms: only norm gains/biases; all: every parameter; lora: LoRA adapters (peft) merged into the "
-             "weights at the end, and the norm gains."))
+             "weights at the end, and the norm gains; auto: norms, but lora for a pRMSNorm conversion (all "
+             "without peft)."))
     objective: str = field(default="kd", metadata=dict(
         flag="--objective", choices=("kd", "lm"), show_default=True,
         help="kd: distil from --teacher; lm: next-token loss on the data."))

@@ -75,6 +75,24 @@ def plot_log(log: dict, png: str | Path, overwrite: bool | str = False) -> Path:
     """Draw `log` (see `read_log`) into `png`, written atomically."""
     check_available()
     png = check_target(png, overwrite)
+    fig = figure(log)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".tmp", dir=png.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png")
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files: give the mode a plain write would
+        os.replace(tmp, png)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return png
+
+
+def figure(log: dict):
+    """The matplotlib Figure of `log`'s curves (see `read_log`)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -90,9 +108,11 @@ def plot_log(log: dict, png: str | Path, overwrite: bool | str = False) -> Path:
     ax = fig.subplots()
     steps, losses = zip(*train)
     ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="training loss (each step)")
-    k = max(1, len(losses) // 20)
-    means = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
-    ax.plot(steps, means, color="tab:blue", linewidth=1.8, label=f"training loss (mean of {k})")
+    k = len(losses) // 20   # a running mean over 5% of the run; none where that is one step (the curve itself)
+    if k > 1:
+        means = [sum(losses[max(0, i - k + 1):i + 1]) / len(losses[max(0, i - k + 1):i + 1])
+                 for i in range(len(losses))]
+        ax.plot(steps, means, color="tab:blue", linewidth=1.8, label=f"training loss (mean of the last {k} steps)")
     if evals:
         es, ev = zip(*evals)
         ax.plot(es, ev, "o-", color="tab:orange", linewidth=1.8, markersize=4, label=f"held-out {key[5:]}")
@@ -119,16 +139,4 @@ def plot_log(log: dict, png: str | Path, overwrite: bool | str = False) -> Path:
     ax.set_title(f"normswap heal: {what}, {log.get('objective', '?')}, {log.get('steps_done', len(train))} steps, "
                  f"{log.get('trainable', 0):,} trained parameters", fontsize=10)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".tmp", dir=png.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600 files: give the mode a plain write would
-        os.replace(tmp, png)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return png
+    return fig

@@ -4,6 +4,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def window(steps: int) -> int:
+    """How many steps each end of the loss curve averages: 10, fewer in a short run (the two ends never overlap
+    but in a 1-step run). One step's loss is one random batch's: ends of one size compare like with like."""
+    return min(10, max(1, steps // 2))
+
+
+def ends(losses: list[float]) -> tuple[float | None, float | None]:
+    """(mean loss of the first `window` steps, of the last `window` steps); (None, None) with no step."""
+    if not losses:
+        return None, None
+    k = window(len(losses))
+    return sum(losses[:k]) / k, sum(losses[-k:]) / k
+
+
 @dataclass
 class HealReport:
     steps: int                 # requested
@@ -15,8 +29,8 @@ class HealReport:
     seq_len: int
     batch_size: int
     seed: int
-    loss_first: float | None   # loss of the first step
-    loss_last: float | None    # mean loss of the last 10 steps
+    loss_first: float | None   # mean training loss of the first `window(steps_done)` steps (10, fewer in short runs)
+    loss_last: float | None    # mean training loss of the last as many steps
     seconds: float
     parallel: str = "none"     # none, ddp or fsdp
     processes: int = 1
@@ -50,7 +64,10 @@ class HealReport:
 
     def __str__(self) -> str:
         share = f" = {self.trainable / self.parameters:.2%}" if self.parameters else ""
-        loss = f"loss {self.loss_first:.4g} -> {self.loss_last:.4g}" if self.steps_done else "no step finished"
+        k = window(self.steps_done)
+        span = f"the first {k} steps -> the last {k}" if k > 1 else "step 1 -> the last step"
+        loss = f"training loss (mean of {span}) {self.loss_first:.4g} -> {self.loss_last:.4g}" \
+            if self.steps_done else "no step finished"
         s = (f"healed {self.steps_done}/{self.steps} steps ({self.train}, {self.trainable:,} params{share}, "
              f"{self.objective}) in {self.seconds:.1f}s: {loss}")
         if self.eval_metric and self.evals:

@@ -350,13 +350,13 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
             add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])
 
 
-def rebuild(model: nn.Module, section, where: str, make_norm=build_norm) -> None:
-    """Turn a freshly built original architecture into the converted one: the section is validated against
-    the model and its own checksum checked (the weights' is checked once they are loaded), then applied."""
+def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: bool = False) -> None:
+    """Turn a freshly built original architecture into the converted one: the section validated against the
+    model, its checksum checked (the weights' once loaded), applied; warns of outputs not preserved unless `quiet`."""
     validate(section, where, model)
     verify_checksum(section, None, where)
     apply_structure(model, section, make_norm)
-    if section.get("not_preserved"):   # said on every load, in normswap and in plain transformers alike
+    if section.get("not_preserved") and not quiet:   # said on every load, in normswap and in plain transformers alike
         warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "
                       + "; ".join(f"{k} ({why})" for k, why in section["not_preserved"].items()), stacklevel=2)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForCTC, AutoModelForImageClassification,
                           AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq)
 
@@ -123,6 +124,18 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _looks_like_path(src: str) -> bool:
+    """Whether `src`, which does not exist on disk, cannot be a Hub id (`name` or `org/name`): a folder's
+    path (`./x`, `/x`, `~/x`, `a/b/c`, `demo-rms/`, a name with spaces), so it is a missing folder."""
+    if src.startswith((".", "/", "~")) or os.sep in src[:1]:
+        return True
+    try:
+        validate_repo_id(src)
+    except HFValidationError:
+        return True
+    return False
+
+
 def resolve_source(src: str) -> tuple[str, bool]:
     """(path or hub id, is_local). Raises for missing paths, a folder holding a PEFT adapter (refused by every
     command alike) and an unreachable Hub."""
@@ -138,8 +151,7 @@ def resolve_source(src: str) -> tuple[str, bool]:
         if not (path / "config.json").exists():
             raise NormswapError(f"{src} has no config.json: not a model folder")
         return str(path), True
-    looks_like_path = src.startswith((".", "/", "~")) or src.count("/") > 1 or os.sep in src[:1]
-    if looks_like_path:
+    if _looks_like_path(src):
         raise NormswapError(f"no such folder: {src}")
     with contextlib.suppress(Exception):  # already in the local Hub cache: no network needed
         from huggingface_hub import try_to_load_from_cache

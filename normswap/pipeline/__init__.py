@@ -11,6 +11,7 @@ PUBLIC = {
     "inspect_checkpoint": "normswap.pipeline.inspect", "InspectResult": "normswap.pipeline.inspect",
     "HealCheckpointOptions": "normswap.pipeline.options", "EvaluateOptions": "normswap.pipeline.options",
     "ExportOptions": "normswap.pipeline.options", "InspectOptions": "normswap.pipeline.options",
+    "generate_checkpoint": "normswap.pipeline.generate", "GenerateOptions": "normswap.pipeline.options",
 }
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy(__name__, PUBLIC)

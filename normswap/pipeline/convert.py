@@ -43,12 +43,13 @@ DEFAULTS = ConvertOptions()   # frozen
 @dataclass
 class ConvertResult:
     report: ConversionReport
-    parity: Parity | None                 # None when there was nothing to convert
+    parity: Parity | None                 # None when there was nothing to convert; healed: after healing
     output: str | None                    # OUT, once written
     healed: HealReport | None = None
     exported: ExportReport | None = None
     streamed: bool = False
     notices: list[str] = field(default_factory=list)   # how it ran (e.g. converted in memory, not streamed)
+    parity_before_heal: Parity | None = None   # healed: the conversion's parity before the heal (`parity`: after)
 
     @property
     def warnings(self) -> list[str]:
@@ -57,6 +58,8 @@ class ConvertResult:
     def to_dict(self) -> dict:
         out = {"report": self.report.to_dict(), "parity": self.parity.to_dict() if self.parity else None,
                "output": self.output}
+        if self.parity_before_heal is not None:
+            out["parity_before_heal"] = self.parity_before_heal.to_dict()
         return {**out, **({"heal": self.healed.to_dict()} if self.healed else {}),
                 **({"onnx": self.exported.to_dict()} if self.exported else {})}
 
@@ -161,6 +164,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     if texts:
         if tokenizer is None:
             raise NormswapError("`finetune_steps` needs the model's tokenizer files")
+        result.parity_before_heal = compare_to(reference, model, skip=report.unverified)
         result.healed = heal(model, original, texts, tokenizer=tokenizer, steps=o.finetune_steps,
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing

@@ -22,6 +22,9 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
     o = options if options is not None else ExportOptions()
     if (out is None) == (o.onnx is None):
         raise NormswapError("give exactly one of `out` (a deployment folder) and `onnx` (a single file)")
+    if o.dtype not in ("fp32", "fp16"):
+        raise NormswapError(f"cannot export `dtype={o.dtype!r}`: every export is validated in onnxruntime on the CPU, "
+                            "which has no bfloat16 kernels (MatMul, Add); export fp32 or fp16")
     device = resolve_device(o.device)
     check_args(o.target, o.opset)  # fail before the (slow) load
     check_output(out or o.onnx, [("`src`", src)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from normswap.models.load import load_model
+from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import InspectOptions
 from normswap.surgery.exact import plan
 from normswap.surgery.report import BIAS_FATE, plan_lines
@@ -41,7 +42,10 @@ class InspectResult:
 def inspect_checkpoint(src: str, options: InspectOptions | None = None) -> InspectResult:
     """The norms of the model at `src` (folder, Hub id or "normswap-demo") and what `convert` would do with
     each: converted (and how its bias fares), kept (already RMSNorm) or skipped (why)."""
-    model, _ = load_model(src, options=(options or InspectOptions()).load)
+    o = options or InspectOptions()
+    device = resolve_device(o.device)
+    model, _ = load_model(src, options=o.load)
+    model.to(device)
     sites, skipped, rms = find_norms(model)
     traced = plan(model, sites) if sites else None   # one traced forward: sources, readers, bias fate
     found, why_not = (traced.norms, traced.reason) if traced else ({}, None)

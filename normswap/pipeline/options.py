@@ -38,7 +38,8 @@ class ConvertOptions:
         flag="--finetune-steps", type=int, min=0,
         help="Then heal: N distillation steps from the original on --data."))
     data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
-        flag="--data", multiple=True, type="path", help="Text file(s) for --finetune-steps."))
+        flag="--data", multiple=True, type="path",
+        help="Text file(s) for --finetune-steps (normswap-demo: the demo's heal text, no held-out chapter)."))
     onnx: str | None = field(default=None, metadata=dict(   # then export to this ONNX file (target ort)
         flag="--onnx", type="path", help="Then export to this ONNX file (target ort)."))
     max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
@@ -55,7 +56,9 @@ class HealCheckpointOptions:
     teacher: str | None = field(default=None, metadata=dict(   # the original model (needed by objective kd)
         flag="--teacher", help="The original model (folder, Hub id, normswap-demo)."))
     data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
-        flag="--data", multiple=True, type="path", help="Text file or folder of .txt (repeatable).",
+        flag="--data", multiple=True, type="path",
+        help="Text file or folder of .txt (repeatable); normswap-demo: the demo's heal text (Persuasion ch. 1-20, "
+             "never the held-out chapters eval scores).",
         aliases={"texts": "--data FILE"}))
     heal: HealOptions = HealOptions()     # steps, lr, train, objective, LoRA, held-out evaluation, trackers
     fsdp: bool | None = field(default=None, metadata=dict(   # shard the student (None: as the launch asks)
@@ -97,9 +100,12 @@ class ExportOptions:
     target: str = field(default="ort", metadata=dict(   # "ort" | "onnx23"
         flag="--target", show_default=True,
         help="ort: SimplifiedLayerNormalization (+Skip) for onnxruntime; onnx23: standard RMSNormalization."))
-    dtype: str = field(default="fp32", metadata=dict(   # the graph's "fp32" | "fp16" (the model loads as stored)
-        flag="--dtype", choices=("fp32", "fp16"), show_default=True,
-        help="Weights and activations of the graph (fp16: norm statistics stay fp32).",
+    # the graph's "fp32" | "fp16" (the model loads as stored); "bf16" is refused: onnxruntime's CPU provider,
+    # which validates every export, has no bf16 kernels
+    dtype: str = field(default="fp32", metadata=dict(
+        flag="--dtype", choices=("fp32", "fp16", "bf16"), show_default=True,
+        help="Weights and activations of the graph (fp16: norm statistics stay fp32; bf16: refused, "
+             "onnxruntime's CPU cannot run it to validate it).",
         also={"fp16": ("--fp16", "Same as --dtype fp16.")}))
     with_past: bool | None = field(default=None, metadata=dict(   # None: on for decoders into OUT, off with onnx
         flag="--with-past", secondary="--no-past",
@@ -113,11 +119,27 @@ class ExportOptions:
 
 @dataclass(frozen=True)
 class InspectOptions:
-    """How `inspect_checkpoint` loads SRC (`normswap inspect`'s options)."""
+    """How `inspect_checkpoint` loads SRC and where it traces it (`normswap inspect`'s options)."""
     load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)   # where the traced forward runs
 
 
 @dataclass(frozen=True)
 class PlotOptions:
     """`normswap plot`'s options."""
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Everything `generate_checkpoint` does besides naming SRC and the prompt (`normswap generate`'s options)."""
+    max_new_tokens: int = field(default=40, metadata=dict(
+        flag="--max-new-tokens", type=int, min=1, show_default=True, help="Tokens to generate after the prompt."))
+    sample: bool = field(default=False, metadata=dict(   # False: greedy, whatever generation_config.json says
+        flag="--sample", secondary="--greedy", show_default=True,
+        help="Sample (with --temperature and --seed) instead of greedy decoding."))
+    temperature: float = field(default=1.0, metadata=dict(
+        flag="--temperature", type=float, min=0, min_open=True, show_default=True, help="With --sample."))
+    seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True, help="With --sample."))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)

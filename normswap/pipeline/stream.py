@@ -124,7 +124,7 @@ def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: 
     config, cls = base_config(raw, raw["normswap"], str(out))
     converted = skeleton(config, dtype, cls)
     with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
-        portable.rebuild(converted, raw["normswap"], str(out), build_norm)
+        portable.rebuild(converted, raw["normswap"], str(out), build_norm, quiet=True)   # the report says it
     reference, source = reopen(original, dtype)
     inputs = _sample_inputs(reference, examples)
     total = len(inputs) * (original.reader.total_size() + safetensors.Reader(out).total_size())

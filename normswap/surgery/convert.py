@@ -43,9 +43,14 @@ def _record(model: nn.Module, report: ConversionReport) -> None:
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
     section["conversions"] = section["conversions"] + [{"to": report.to, "method": report.method,
                                                         "p": report.p, "norms": report.num_converted}]
-    if report.unverified:   # returned outputs this conversion changes: every load of the folder says so
-        section["not_preserved"] = {**section.get("not_preserved", {}), **report.unverified}
+    if report.not_preserved:   # outputs this conversion changes, as the report says: every load of the folder says so
+        section["not_preserved"] = {**section.get("not_preserved", {}), **report.not_preserved}
     set_section(model, section)
+
+
+def _row_method(method: str, to: str) -> str:
+    """A row's method: a pRMSNorm is never exact (its biases fold exactly, its RMS of a few features does not)."""
+    return "approximate" if to == "prmsnorm" and method == "exact" else method
 
 
 def _check_target(to: str, p: float | None) -> float | None:
@@ -116,7 +121,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
         replace_module(model, site.name, _make_norm(site, to, p))
         report.converted.append(NormRecord(
             name=site.name, replaced=type(site.module).__name__, width=site.width, eps=site.eps, to=to,
-            method=result.per_norm_method.get(site.name, result.method),
+            method=_row_method(result.per_norm_method.get(site.name, result.method), to),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
     _record(model, report)

@@ -125,12 +125,14 @@ def plan(model: nn.Module, sites: list[NormSite], inputs: list[dict] | None = No
         return _refused(sites, f"the exact plan could not be derived ({type(e).__name__}: {first_line(e, strip=True)})")
 
 
-def not_preserved(model: nn.Module, p: Plan) -> list[str]:
-    """Returned outputs an exact conversion cannot keep: the residual stream is centred inside the model."""
-    out = [f"{name}: {why}" for name, why in p.not_kept.items()]
+def not_preserved(model: nn.Module, p: Plan) -> dict[str, str]:
+    """Outputs an exact conversion cannot keep (name -> why), as the report and the folder (every load's warning)
+    name them: the residual stream is centred inside the model."""
+    out = dict(p.not_kept)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
-        out.append("hidden_states (output_hidden_states=True): the residual stream inside the model, returned "
-                   "centred (each row minus its mean)")
+        out["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, returned centred "
+                                "(each row minus its mean), and a final norm's output there without the bias "
+                                "folded into its readers")
     return out
 
 

@@ -23,7 +23,7 @@ class MethodResult:
     added_biases: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     per_norm_method: dict[str, str] = field(default_factory=dict)  # when methods differ per norm
-    not_preserved: list[str] = field(default_factory=list)         # returned outputs that change, and why
+    not_preserved: dict[str, str] = field(default_factory=dict)    # outputs that change -> why (the folder's)
     unverified: dict[str, str] = field(default_factory=dict)       # of those, the ones by name: not compared
     kept: dict[str, str] = field(default_factory=dict)             # norms left as they were -> why
 

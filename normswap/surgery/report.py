@@ -14,7 +14,7 @@ class NormRecord:
     width: int
     eps: float
     to: str                # "rmsnorm" | "prmsnorm"
-    method: str            # "naive" | "exact"
+    method: str            # "naive" | "exact" | "approximate" (pRMSNorm: the exact method's folding, then pRMSNorm)
     bias: str              # "dropped" | "folded" | "none"
     bias_norm: float       # L2 norm of the LayerNorm bias
 
@@ -30,7 +30,7 @@ class ConversionReport:
     added_biases: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     verification: dict | None = None                        # filled by methods that verify themselves
-    not_preserved: list[str] = field(default_factory=list)  # outputs an exact conversion changes: "name: why"
+    not_preserved: dict[str, str] = field(default_factory=dict)  # outputs an exact conversion changes -> why
     unverified: dict[str, str] = field(default_factory=dict)  # of those, returned ones by name (not compared)
 
     @property
@@ -59,7 +59,7 @@ class ConversionReport:
             summary += f"; biases added to {len(self.added_biases)} layers"
         out = lines + [summary] if self.converted else [summary]
         out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
-        out += [f"not preserved: {n}" for n in self.not_preserved]
+        out += [f"not preserved: {n}: {why}" for n, why in self.not_preserved.items()]
         out += [f"warning: {w}" for w in self.warnings] if warnings else []
         return "\n".join(map(printable, out))   # names from a file: one line each, no terminal escapes
 

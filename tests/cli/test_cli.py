@@ -138,3 +138,29 @@ def test_failed_onnx_export_writes_nothing(gpt2_dir, tmp_path, monkeypatch):
     result = run("convert", gpt2_dir, "--to", "rmsnorm", "-o", tmp_path / "out", "--onnx", tmp_path / "m.onnx")
     assert result.exit_code == 1 and "error: ORT parity 1e-2 above tolerance" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("src", ["demo-rms/", "my model", "a/b/"])
+def test_a_missing_folder_that_no_hub_id_could_be_is_named_missing(src, tmp_path, monkeypatch):
+    """Issue 33 #9: `inspect demo-rms/` said "offline: cannot reach the Hub"; no Hub id ends with a slash."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run("inspect", src)
+    assert result.exit_code == 1 and result.output.strip() == f"error: no such folder: {src}", result.output
+
+
+def test_version_imports_neither_torch_nor_transformers():
+    """Issue 33 #15: `normswap --version` imported torch (every command module was imported up front)."""
+    code = ("import sys; from normswap.cli import main\ntry:\n    main(['--version'], prog_name='normswap')\n"
+            "except SystemExit:\n    pass\nprint([m for m in ('torch', 'transformers') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == [f"normswap, version {normswap.__version__}", "[]"], proc.stdout + proc.stderr
+
+
+def test_a_closed_pipe_ends_quietly(gpt2_dir):
+    """Issue 33 #15: `normswap inspect ... | head -3` printed `error: BrokenPipeError`; the reader left, so stop
+    quietly (click's exit 1 for a closed pipe)."""
+    proc = subprocess.Popen([sys.executable, "-m", "normswap", "inspect", str(gpt2_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()   # before anything is written: the write gets EPIPE
+    assert proc.wait(timeout=300) == 1 and proc.stderr.read().decode() == ""

@@ -82,3 +82,13 @@ def test_progress_off_without_a_terminal(tmp_path):
         manual.update(2)
     bar = progress.bar(range(3), desc="x", enabled=True)
     assert hasattr(bar, "n") and list(bar) == [0, 1, 2]   # on: a real tqdm bar
+
+
+def test_a_library_warning_prints_as_one_warning_line(monkeypatch):
+    """A folder's load warning (issue 33 #11: every exact folder names its not-preserved outputs) printed as
+    `file:line: UserWarning: ...` plus the source line; the CLI prints it as its own warnings."""
+    from normswap.cli.options import Shared, setup_output
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)   # put back after the test
+    setup_output(Shared(verbosity=0))
+    assert warnings.formatwarning("out/: keeps the outputs\nexcept x", UserWarning, "rebuild.py", 107) == \
+        "warning: out/: keeps the outputs except x\n"

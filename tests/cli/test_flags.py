@@ -7,7 +7,7 @@ import click
 import pytest
 import torch
 
-from normswap.cli.commands import main
+from normswap.cli import main
 from normswap.cli.flags import build, error_names
 from normswap.errors import NormswapError
 from normswap.healing.options import HealOptions, LoraOptions
@@ -41,7 +41,7 @@ def test_errors_name_the_flags_the_dataclasses_declare():
 
 
 def test_every_command_spells_each_name_alike():
-    classes = [c.callback.options_class for c in main.commands.values()]
+    classes = [main.get_command(None, n).callback.options_class for n in main.list_commands(None)]
     union = main.flag_names()
     for cls in classes:
         assert error_names(cls).items() <= union.items(), cls.__name__
@@ -52,7 +52,7 @@ def _flags(command) -> set[str]:
 
 
 def test_each_command_has_one_flag_per_field_and_its_switches():
-    convert, heal, export = main.commands["convert"], main.commands["heal"], main.commands["export"]
+    convert, heal, export = (main.get_command(None, n) for n in ("convert", "heal", "export"))
     assert _flags(convert) == {"--to", "--method", "--p", "--dtype", "--trust-remote-code", "--allow-missing-weights",
                                "--device", "--finetune-steps", "--data", "--onnx", "--max-shard-size", "--overwrite",
                                "--overwrite-any", "-o", "--output", "--json", "--inputs"}
@@ -61,12 +61,12 @@ def test_each_command_has_one_flag_per_field_and_its_switches():
     assert {"--lora-rank", "--lora-alpha", "--lora-targets", "--lora-norms", "--no-lora-norms"} <= _flags(heal)
     assert {"--dtype", "--fp16", "--with-past", "--no-past", "--opset", "--target"} <= _flags(export)
     assert "--trust-remote-code" in _flags(export)
-    dtype = next(p for p in main.commands["inspect"].params if p.name == "load__dtype")
+    dtype = next(p for p in main.get_command(None, "inspect").params if p.name == "load__dtype")
     assert list(dtype.type.choices) == list(DTYPE_NAMES)
 
 
 def _parse(name: str, *args: str) -> dict:
-    command = main.commands[name]
+    command = main.get_command(None, name)
     return dict(command.make_context(name, list(args)).params)
 
 

@@ -1,5 +1,6 @@
-"""Issue 33 (20): `normswap plot` of a malformed heal_log.json says "not a heal log" in one line, whatever is
-wrong in it (strings, nulls, a missing step, lora as a number), never a TypeError or KeyError."""
+"""`normswap plot` and `normswap.healing.plot`: a malformed heal_log.json says "not a heal log" in one line,
+whatever is wrong in it (strings, nulls, a missing step, lora as a number), never a TypeError or KeyError
+(issue 33 #20); the curves' legend says what each line is (issue 33 #15: "mean of 1")."""
 from __future__ import annotations
 
 import json
@@ -34,3 +35,19 @@ def test_a_well_formed_log_plots(tmp_path):
     log.write_text(json.dumps(GOOD))
     result = run("plot", log, "-o", tmp_path / "p.png")
     assert result.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 1000
+
+
+def _labels(steps: int) -> list[str]:
+    pytest.importorskip("matplotlib")
+    from normswap.healing.plot import figure
+    history = [{"step": s, "loss": 1.0 / s, "learning_rate": 1e-3} for s in range(1, steps + 1)]
+    fig = figure({"log_history": history, "train": "norms", "objective": "kd", "steps_done": steps})
+    return [label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]]
+
+
+def test_a_short_run_draws_no_running_mean_of_one_step():
+    assert _labels(20) == ["training loss (each step)", "learning rate"]
+
+
+def test_a_long_run_names_its_running_mean_in_steps():
+    assert _labels(200)[:2] == ["training loss (each step)", "training loss (mean of the last 10 steps)"]

@@ -51,3 +51,13 @@ def test_cli_converts_demo(tmp_path, demo):
     assert tokenizer is not None and len(tokenizer) == len(demo[1])
     # The naive swap (bias dropped) changes a trained model: it scores worse on held-out text.
     assert heldout_perplexity(loaded, tokenizer) > heldout_perplexity(*demo)
+
+
+def test_the_demo_heal_text_is_training_split_only():
+    """Issue 33 #7: the README healed on ../shared/corpora/austen, which a user lacks and which holds the chapters
+    `eval` scores by default. `--data normswap-demo` is Persuasion ch. 1-20, shipped, without them."""
+    from normswap.models.demo import HEAL_FILE, contains_heldout
+    from normswap.textdata import read_texts
+    texts = read_texts(["normswap-demo"])
+    assert texts == [HEAL_FILE.read_text(encoding="utf-8")] and len(texts[0]) > 300_000
+    assert not contains_heldout(texts) and contains_heldout([texts[0] + heldout_text()])

@@ -23,3 +23,13 @@ def test_exactly_one_output_is_required(tmp_path, out, onnx):
         export_checkpoint("normswap-demo", out and str(tmp_path / out),
                           ExportOptions(onnx=onnx and str(tmp_path / onnx)))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bf16_is_refused_with_its_reason_before_loading(tmp_path):
+    """Issue 33 #10: the README promised --dtype bf16 on every command; export takes it only to say why not
+    (onnxruntime's CPU provider, which validates every export, has no bf16 kernels)."""
+    from helpers.cli import one_error_line, run
+    line = one_error_line(run("export", "normswap-demo", "--onnx", tmp_path / "m.onnx", "--dtype", "bf16"))
+    assert line == ("error: cannot export --dtype bf16: every export is validated in onnxruntime on the CPU, which "
+                    "has no bfloat16 kernels (MatMul, Add); export fp32 or fp16")
+    assert list(tmp_path.iterdir()) == []

@@ -37,3 +37,12 @@ def test_the_cli_prints_what_the_function_returns(gpt2_dir):
     assert json.loads(r.stdout) == json.loads(json.dumps(inspect_checkpoint(str(gpt2_dir)).to_dict()))
     text = run("inspect", gpt2_dir)
     assert text.stdout.strip() == inspect_checkpoint(str(gpt2_dir)).to_text()
+
+
+def test_inspect_takes_device_as_every_loading_command_does(gpt2_dir):
+    """Issue 33 #10: `inspect` had no --device (the README said every command takes it)."""
+    result = run("inspect", gpt2_dir, "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["norms"]) == 5
+    bad = run("inspect", gpt2_dir, "--device", "tpu")
+    assert bad.exit_code == 1 and bad.output.strip() == "error: unknown device 'tpu': use auto, cpu, cuda or cuda:N"

@@ -286,3 +286,16 @@ def test_a_decoder_that_cross_attends_streams_exactly(tmp_path):
     in_memory = normswap.load_model(str(tmp_path / "src"))[0]
     normswap.convert(in_memory, method="exact")
     assert compare(in_memory, normswap.from_pretrained(tmp_path / "out")).max_abs == 0.0
+
+
+def test_verifying_the_staged_folder_does_not_warn_of_what_the_report_says(gpt2_dir, tmp_path):
+    """Every load of an exact folder names its not-preserved outputs (issue 33 #11); streaming's verification of
+    the folder it is writing is no user's load: the warning would name the hidden staging folder."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report, _ = stream.convert_folder(gpt2_dir, tmp_path / "out")
+    assert "hidden_states" in report.not_preserved
+    assert [str(w.message) for w in seen if "keeps the original's outputs" in str(w.message)] == []
+    with pytest.warns(UserWarning, match="keeps the original's outputs except hidden_states"):
+        normswap.from_pretrained(tmp_path / "out")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -146,6 +147,8 @@ def test_prmsnorm_folds_but_does_not_claim_exactness():
     model = build("gpt2")
     report = normswap.convert(model, to="prmsnorm", method="exact")
     assert not report.verification["enforced"] and any("approximate" in w for w in report.warnings)
+    # issue 33 #15: its rows were labelled `exact`
+    assert {r.method for r in report.converted} == {"approximate"} and "  exact  " not in report.to_table()
 
 
 def test_cli_default_is_auto_and_exact(tmp_path):
@@ -200,3 +203,29 @@ def test_demo_model_perplexity_unchanged():
     assert report.verification["max_rel"] <= 1e-4
     assert f"{before:.4g}" == f"{after:.4g}"
     assert all(isinstance(model.get_submodule(r.name), RMSNorm) for r in report.converted)
+
+
+def test_what_the_report_says_is_not_preserved_the_folder_records_and_every_load_names(tmp_path):
+    """Issue 33 #11: after an exact GPT-2 conversion hidden_states[-1] differs by ln_f's bias; the report said
+    so, but the folder's `not_preserved` did not, so a plain transformers load gave no warning."""
+    import warnings as w
+
+    from transformers import AutoModelForCausalLM
+
+    from helpers.tiny import tiny_model
+    model = tiny_model("gpt2")
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    assert report.method == "exact" and "hidden_states" in report.not_preserved
+    normswap.save_pretrained(model, tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+    assert section["not_preserved"] == report.not_preserved
+    with w.catch_warnings(record=True) as seen:
+        w.simplefilter("always")
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+    assert any("except hidden_states (output_hidden_states=True" in str(s.message) for s in seen)
+    x = torch.randint(0, model.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        ref, got = reference(x, output_hidden_states=True), plain(x, output_hidden_states=True)
+    assert torch.allclose(ref.logits, got.logits, atol=1e-4)   # the model's output is the original's,
+    assert (ref.hidden_states[-1] - got.hidden_states[-1]).abs().max() > 0.1   # its hidden states are not
