@@ -101,3 +101,15 @@ def test_normswap_and_plain_transformers_read_the_disk_names(neox):
         with torch.no_grad():
             got = model(IDS).logits
         assert ((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+
+
+def test_a_renamed_parent_renames_the_modules_under_it():
+    """ViT: transformers 5's layers.N is encoder.layer.N in 4.x and on disk; a norm under it is found there."""
+    layer = torch.nn.Module()
+    layer.layernorm_before = torch.nn.LayerNorm(4)
+    v4 = torch.nn.Module()
+    v4.encoder = torch.nn.Module()
+    v4.encoder.layer = torch.nn.ModuleList([layer])
+    section = {"norms": {"layers.0.layernorm_before": {}}, "added_biases": [], "output_fixes": {},
+               "renamed": {"layers": "encoder.layer", "layers.0.attention.q_proj": "encoder.layer.0.attention.query"}}
+    assert list(portable.local_names(section, v4)["norms"]) == ["encoder.layer.0.layernorm_before"]
