@@ -8,6 +8,7 @@ from pathlib import Path
 
 from torch import nn
 
+from normswap.io import kept
 from normswap.io.atomic import atomic_dir
 from normswap.errors import NormswapError, first_line
 from normswap.export import genai, wrap
@@ -42,12 +43,13 @@ def _write_generation_config(model: nn.Module, out: Path) -> bool:
 def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, target: str = "ort",
                   fp16: bool = False, with_past: bool | None = None, opset: int | None = None,
                   overwrite: bool = False, validate: bool = True,
-                  external_data_bytes: int | None = None) -> ExportReport:
+                  external_data_bytes: int | None = None, source: str | os.PathLike | None = None) -> ExportReport:
     """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
     `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
     decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
 
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
+    source: the model's folder, whose other files its loaders read the folder keeps (`io.kept`).
     The folder appears (atomically) only once the export validated.
     """
     opset = check_args(target, opset)
@@ -60,6 +62,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     with atomic_dir(out, overwrite) as tmp:
         report = build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
                            limit)
+        names = kept.copy_kept(source, tmp) if source is not None else []   # before the files written here
         _write_config(model, tmp, with_past, fp16)
         if decoder:
             _write_generation_config(model, tmp)
@@ -67,6 +70,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
             save_tokenizer(tokenizer, tmp)
         if with_past:
             genai.write(model, tmp, ONNX_NAME)
+        kept.record(tmp, names)
         report.files = sorted(p.name for p in tmp.iterdir())
     umask = os.umask(0)
     os.umask(umask)

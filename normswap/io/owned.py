@@ -2,7 +2,8 @@
 
 `overwrite=True` replaces only such outputs (`atomic.check_replaceable`): a converted folder (config.json
 with a section only normswap writes, or a module's normswap.json), a deployment folder (model.onnx carrying
-normswap's metadata), or an ONNX file normswap exported; each holding nothing but the files normswap writes.
+normswap's metadata), or an ONNX file normswap exported; each holding nothing but the files normswap writes and
+those it kept of the source (listed in its config.json).
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import os
 import re
 from pathlib import Path
+
+from normswap.io.kept import recorded
 
 RECORD = "normswap.json"   # what changed, beside the weights of a module without a transformers config
 # What save_pretrained and export_folder write (config or record, weights, generation config, tokenizer files,
@@ -56,7 +59,9 @@ def foreign(out: Path) -> str | None:
     onnx_folder = (out / "model.onnx").is_file() and exported_onnx(out / "model.onnx")
     if not (isinstance(config, dict) and (any(k in config for k in SECTIONS) or onnx_folder) or _record(out)):
         return "was not written by normswap (no config.json with a 'normswap' section)"
-    alien = [e for e in entries if not (e in FILES or SHARD.fullmatch(e)) or not (out / e).is_file()]
+    kept = recorded(config)   # the source's files a converted folder keeps (`io.kept`), as it lists them
+    alien = [e for e in entries
+             if e not in kept and (not (e in FILES or SHARD.fullmatch(e)) or not (out / e).is_file())]
     if alien:
         more = f" and {len(alien) - 3} more" if len(alien) > 3 else ""
         return f"holds files normswap does not write ({', '.join(alien[:3])}{more})"

@@ -11,8 +11,7 @@ transformers, lazily), never normswap; a test fails if the shipped copy differs 
 - `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch
   `build_norm` below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast
   kernels for the same arithmetic, held equal by a test), the added biases, the output and input fixes.
-- `NormswapMixin`: first in the bases of a transformers class, it runs `rebuild` when the model is built,
-  checks the weights' checksum in from_pretrained and records the new one in save_pretrained.
+- `shipped.py` follows this file in modeling_normswap.py: the transformers side (`NormswapMixin`).
 """
 from __future__ import annotations
 
@@ -49,6 +48,15 @@ def partial_width(d: int, p: float | None) -> int:
     return max(1, min(d, n if abs(x - n) <= 1e-12 * x else math.ceil(x)))
 
 
+def pow2_floor(m: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= m, at least 1, without bit-casts (a user's torch.onnx.export and OpenVINO
+    take no view(dtype)): log2 may round across a power of two, so one step each way makes it exact."""
+    m = m.clamp(min=1.0)
+    p = torch.pow(2.0, torch.floor(torch.log2(m)).clamp(max=127.0))   # 2^128 is not a float32
+    p = torch.where(p > m, p * 0.5, p)
+    return torch.where(p * 2.0 <= m, p * 2.0, p)
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dim; squares and mean in fp32.
 
@@ -67,10 +75,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        k = partial_width(x.shape[-1], self.p)  # pRMSNorm: the first k features
+        k = partial_width(int(x.shape[-1]), self.p)  # pRMSNorm: the first k features (int: a traced width)
         xk = xf if k == x.shape[-1] else xf[..., :k]
-        m = xk.detach().abs().amax(-1, keepdim=True)
-        inv = 1.0 / (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+        inv = 1.0 / pow2_floor(xk.detach().abs().amax(-1, keepdim=True))
         xf, xk, eps = xf * inv, xk * inv, self.eps * inv * inv
         y = xf / torch.sqrt(xk.pow(2).mean(-1, keepdim=True) + eps)
         if self.weight is not None:
@@ -163,15 +170,37 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     kept = section.get("not_preserved", {})
     if not isinstance(kept, dict) or not all(isinstance(x, str) and x.isprintable() for x in [*kept, *kept.values()]):
         _fail(where, "not_preserved must map output names to reasons (printed on loads: plain text)")
+    renamed = section.get("renamed", {})
+    if not isinstance(renamed, dict) or not all(isinstance(v, str) for v in renamed.values()):
+        _fail(where, "renamed must map module names to names")
     sums = _get(where, section, "checksum", dict, "section")
     for key in ("section", "weights_header"):
         _get(where, sums, key, str, "checksum")
     if model is not None:
         known = dict(model.named_modules())
-        for name in [*norms, *biases, *fixes]:
-            if name not in known:
-                _fail(where, f"names module '{name}', which the {type(model).__name__} model does not have")
+        for name, local in zip(module_names(section), module_names(local_names(section, model))):
+            if local not in known:
+                also = f" (nor '{renamed[name]}')" if name in renamed else ""
+                _fail(where, f"names module '{name}'{also}, which the {type(model).__name__} model does not have")
     return section
+
+
+def module_names(section: dict) -> list[str]:
+    """Every module a section names: its norms, added biases and fixes, in that order."""
+    return [*section.get("norms", {}), *section.get("added_biases", []), *section.get("output_fixes", {})]
+
+
+def local_names(section: dict, model: nn.Module) -> dict:
+    """The section with each module `model` lacks named as on disk (`renamed`: module prefix -> name on disk),
+    where `model` has that one: transformers 4 and 5 call some modules differently (GPT-NeoX's head: embed_out
+    in 4 and on disk, lm_head in 5)."""
+    known, other = dict(model.named_modules()), section.get("renamed", {})
+    def local(name):
+        alts = [old + name[len(new):] for new, old in other.items() if name == new or name.startswith(new + ".")]
+        return next((alt for alt in alts if name not in known and alt in known), name)
+    return {**section, "norms": {local(k): v for k, v in section.get("norms", {}).items()},
+            "added_biases": [local(b) for b in section.get("added_biases", [])],
+            "output_fixes": {local(k): v for k, v in section.get("output_fixes", {}).items()}}
 
 
 # ---- the weights files and the checksum --------------------------------------------------------------------
@@ -317,13 +346,6 @@ def add_input_fix(module: nn.Module) -> None:
     module.register_forward_pre_hook(centre_input, with_kwargs=True)
 
 
-def describe_fix(module: nn.Module) -> dict:
-    """What the section's `output_fixes` records for a fixed module."""
-    bias = getattr(module, "normswap_bias", None)
-    spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
-    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec
-
-
 def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
     """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
     if getattr(layer, "bias", None) is not None:
@@ -338,6 +360,7 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
     """The module changes a section records, on the original architecture (new tensors are placeholders the
     weights fill): each norm replaced by make_norm(spec, old module), biases added, then the fixes (which may
     sit on a norm)."""
+    section = local_names(section, model)
     for name, spec in section.get("norms", {}).items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, make_norm(spec, model.get_submodule(name)))
@@ -359,42 +382,3 @@ def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: 
     if section.get("not_preserved") and not quiet:   # said on every load, in normswap and in plain transformers alike
         warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "
                       + "; ".join(f"{k} ({why})" for k, why in section["not_preserved"].items()), stacklevel=2)
-
-
-# ---- transformers: the classes generated at the end of modeling_normswap.py derive from this ---------------
-
-def _folder(path, kwargs: dict) -> Path:
-    """The local folder from_pretrained read (a folder, or the Hub cache's snapshot it downloaded)."""
-    if os.path.isdir(path):
-        return Path(path) / kwargs.get("subfolder", "")
-    from transformers.utils import cached_file
-    hub = {k: kwargs[k] for k in ("cache_dir", "revision", "subfolder", "token", "local_files_only") if k in kwargs}
-    return Path(cached_file(path, "config.json", **hub)).parent
-
-
-class NormswapMixin:
-    """Put first in the bases of a transformers model class: builds it, then applies config.normswap."""
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        rebuild(self, getattr(config, "normswap", None), getattr(config, "name_or_path", "") or "config.json")
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        verify_checksum(model.config.normswap, _folder(pretrained_model_name_or_path, kwargs),
-                        str(pretrained_model_name_or_path), getattr(model.config, "transformers_weights", None))
-        return loaded
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """transformers' save, then the section's checksum of the weights files just written."""
-        out = super().save_pretrained(save_directory, *args, **kwargs)
-        path = Path(save_directory) / "config.json"
-        if path.is_file() and ((path.parent / WEIGHTS).is_file() or (path.parent / INDEX).is_file()):
-            section = self.config.normswap
-            section["checksum"] = checksum(section, path.parent)
-            config = json.loads(path.read_text())
-            config["normswap"] = section
-            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        return out

@@ -292,15 +292,16 @@ def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
 
 
 def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-               tensors: Iterable[torch.Tensor] | None = None) -> list[str]:
+               tensors: Iterable[torch.Tensor] | None = None, names: dict[str, str] | None = None) -> list[str]:
     """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size; `tensors`,
-    if given, are the values to write in `saved_specs(model)` order (computed as they are written)."""
+    if given, are the values to write in `saved_specs(model)` order (computed as they are written); `names`:
+    state name -> the key to write it under, where that differs."""
     specs = saved_specs(model)
     check_space(out, total_bytes(specs))
     if tensors is None:
         state = model.state_dict()
         tensors = (state[k] for k, _, _ in specs)
-    return write(out, specs, tensors, max_shard_size)
+    return write(out, [((names or {}).get(k, k), dt, shape) for k, dt, shape in specs], tensors, max_shard_size)
 
 
 def check_space(out: str | Path, needed: int) -> None:

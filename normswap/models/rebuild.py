@@ -17,6 +17,7 @@ from normswap.errors import NormswapError, first_line, reraised
 from normswap.io import owned, portable
 from normswap.models import schema
 from normswap.models.hub import MODELING_FILE
+from normswap.models.names import saved_names
 from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
                                     transformers_class)
 from normswap.norms import build_norm
@@ -43,17 +44,19 @@ def load_weights(model: nn.Module, path: Path, check: Callable[[list, list, list
     reader = safetensors.Reader(path)
     alias = safetensors.aliases(model)
     state = model.state_dict(keep_vars=True)
-    stored = set(reader.keys())
+    live = {saved: name for name, saved in saved_names(model).items()}   # as transformers reads its own names
+    key = {live.get(k, k): k for k in reader.keys()}
+    stored = set(key)
     present = {alias.get(k, k) for k in stored & set(state)}
     missing = [k for k in state if alias.get(k, k) == k and k not in present]
-    mismatched = [(k, reader.meta(k)[1], list(state[k].shape)) for k in sorted(stored & set(state))
-                  if list(reader.meta(k)[1]) != list(state[k].shape)]
+    mismatched = [(k, reader.meta(key[k])[1], list(state[k].shape)) for k in sorted(stored & set(state))
+                  if list(reader.meta(key[k])[1]) != list(state[k].shape)]
     check(missing, sorted(stored - set(state)), mismatched)
     bad = {k for k, _, _ in mismatched}
     with torch.no_grad():
-        for key in reader.keys():
-            if key in state and key not in bad:
-                state[key].copy_(reader.get(key))
+        for name, stored_as in key.items():
+            if name in state and name not in bad:
+                state[name].copy_(reader.get(stored_as))
 
 
 def _load_weights(model: nn.Module, path: Path, allow: bool) -> None:

@@ -13,11 +13,12 @@ import torch
 from torch import nn
 
 from normswap.io.atomic import atomic_dir
-from normswap.io import owned, safetensors
+from normswap.io import kept, owned, safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
 from normswap.models.hub import make_self_describing
 from normswap.models.introspect import is_causal_lm
+from normswap.models.names import renamed_modules, saved_names
 from normswap.models.section import has_config, section as module_section
 from normswap.models.source import transformers_class
 
@@ -25,7 +26,8 @@ from normswap.models.source import transformers_class
 def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool | str = False,
                     max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                     check: Callable[[Path], None] | None = None,
-                    tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None) -> Path:
+                    tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None,
+                    source: str | Path | None = None) -> Path:
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
@@ -37,6 +39,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     rebuilds on a fresh instance of its class.
 
     overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
+    source: the model's folder, whose other files its loaders read OUT keeps (`io.kept`: sentence-transformers'
+    modules, the slow tokenizer's files, generation settings); a file linked from outside it is refused.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
@@ -53,14 +57,19 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
+    saved = saved_names(model)   # transformers' names on disk, which transformers 4 builds
     with atomic_dir(out, overwrite) as tmp:
-        safetensors.save_model(model, tmp, max_shard_size, tensors)  # tied tensors once, restored by loading
+        safetensors.save_model(model, tmp, max_shard_size, tensors, saved)  # tied tensors once, restored by loading
         if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
             section.update(format=schema.FORMAT, base={"architecture": type(model).__name__,
                                                        "model_type": model.config.model_type})
+            section.pop("renamed", None)
+            if renamed := renamed_modules(saved):
+                section["renamed"] = renamed
             section["checksum"] = schema.checksum(section, tmp)
         model.config.save_pretrained(tmp)
         make_self_describing(tmp, model)  # modeling file + auto_map: loads in transformers without normswap
+        names = kept.copy_kept(source, tmp) if source is not None else []   # before the files normswap rewrites
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
                 model.generation_config.save_pretrained(tmp)
@@ -68,6 +77,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
             save_tokenizer(tokenizer, tmp)
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
+        kept.record(tmp, names)
         if check is not None:
             check(tmp)
     return Path(out)

@@ -163,6 +163,18 @@ def resolve_source(src: str) -> tuple[str, bool]:
     return src, False
 
 
+def source_folder(src: str) -> Path | None:
+    """The local folder SRC's files are in (a folder, the demo, or the Hub cache's snapshot), else None."""
+    where, local = resolve_source(src)
+    if local:
+        return Path(where)
+    with contextlib.suppress(Exception):
+        from huggingface_hub import try_to_load_from_cache
+        found = try_to_load_from_cache(src, "config.json")
+        return Path(found).parent if isinstance(found, str) else None
+    return None
+
+
 def read_config(path: str | Path) -> dict:
     """config.json as a dict; one clear error when it is missing or not a JSON object."""
     file = Path(path) / "config.json"

@@ -25,7 +25,7 @@ from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.inputs.examples import batches_of, check_examples, model_inputs
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
-from normswap.models.source import Source, check_code, read_folder, read_source
+from normswap.models.source import Source, check_code, read_folder, read_source, source_folder
 from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
@@ -174,16 +174,16 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     if o.onnx:
         result.exported = export_onnx(model, o.onnx, overwrite=o.overwrite)
-    _save(model, out, tokenizer, result.healed, o)
+    _save(model, src, out, tokenizer, result.healed, o)
     result.output = out
     return result
 
 
-def _save(model, out: str, tokenizer, healed: HealReport | None, o: ConvertOptions) -> None:
-    """OUT, with heal's log when healed; interrupted, the ONNX file already written is named."""
+def _save(model, src: str, out: str, tokenizer, healed: HealReport | None, o: ConvertOptions) -> None:
+    """OUT, with heal's log when healed and SRC's kept files; interrupted, the ONNX file already written is named."""
     try:
         log = {LOG_FILE: json.dumps(healed.log(), indent=1)} if healed else None
         save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size,
-                        files=log)
+                        files=log, source=source_folder(src))
     except KeyboardInterrupt as e:
         raise Interrupted.after(e, *([str(o.onnx)] if o.onnx else [])) from None

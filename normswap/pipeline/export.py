@@ -9,6 +9,7 @@ from normswap.export.folder import export_folder
 from normswap.export.onnx import ExportReport, check_args, export_onnx
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import load_model
+from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ExportOptions
 
@@ -35,6 +36,6 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
     fp16 = o.dtype == "fp16"
     if out is not None:
         return export_folder(model, out, tokenizer=tokenizer, target=o.target, fp16=fp16, with_past=o.with_past,
-                             opset=o.opset, overwrite=o.overwrite)
+                             opset=o.opset, overwrite=o.overwrite, source=source_folder(src))
     return export_onnx(model, o.onnx, target=o.target, fp16=fp16, with_past=bool(o.with_past), opset=o.opset,
                        overwrite=o.overwrite)

@@ -190,5 +190,5 @@ def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm
         lazy.bar = bar
         save_pretrained(model, out, tokenizer=load_tokenizer(folder.src), overwrite=overwrite,
                         max_shard_size=max_shard_size, check=verification,
-                        tensors=_edited_tensors(model, lazy, specs, edits))
+                        tensors=_edited_tensors(model, lazy, specs, edits), source=folder.path)
     return report, verification.parity

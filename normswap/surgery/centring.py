@@ -8,6 +8,16 @@ installs and what loading re-applies (in normswap and in plain transformers) is 
 """
 from __future__ import annotations
 
-from normswap.io.portable import add_input_fix, add_output_fix, centre_input, describe_fix, fixed
+from torch import nn
+
+from normswap.io.portable import add_input_fix, add_output_fix, centre_input, fixed
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed"]
+
+
+def describe_fix(module: nn.Module) -> dict:
+    """What the section's `output_fixes` records for a module the fixes above were put on (the shipped file
+    only applies them)."""
+    bias = getattr(module, "normswap_bias", None)
+    spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
+    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec

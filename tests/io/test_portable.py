@@ -1,15 +1,51 @@
-"""Issue 33 (20): what every load of a converted folder prints (its `not_preserved` entries) is plain text: a
-section whose names or reasons hold newlines or terminal escapes is invalid."""
+"""The shipped modeling file (`normswap/io/portable.py`): its norms export with a user's own tools (issue 33.3);
+what every load prints (its `not_preserved` entries) is plain text (issue 33.20)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
+import torch
 
 import normswap
 from normswap.io import portable
 
 from helpers.export_models import converted as naive_conversion
+
+
+def bits_pow2_floor(m: torch.Tensor) -> torch.Tensor:
+    """The mantissa-clearing form the file used before (a bit-cast no exporter takes)."""
+    return (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+
+
+def test_pow2_floor_is_the_largest_power_of_two_below():
+    """The same power of two the bit-cast gave, for every exponent, at and beside each power of two."""
+    e = torch.arange(-149, 128, dtype=torch.float64)
+    p = torch.pow(2.0, e).float()
+    m = torch.cat([p, torch.nextafter(p, torch.tensor(0.0)), torch.nextafter(p, torch.tensor(float("inf"))),
+                   p * 1.5, torch.rand(10000) * torch.pow(2.0, torch.randint(-100, 127, (10000,))).float(),
+                   torch.tensor([0.0, 1.0, torch.finfo(torch.float32).max, float("inf")])])
+    assert torch.equal(portable.pow2_floor(m), bits_pow2_floor(m))
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_shipped_norms_export_with_torch_onnx(tmp_path, dynamo):
+    """torch.onnx.export of the shipped RMSNorm and pRMSNorm (as a user exports a plain-loaded folder) runs in
+    onnxruntime and gives the module's values; both exporters refused view(torch.int32) before."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = torch.nn.Sequential(portable.RMSNorm(16, eps=1e-5), portable.PartialRMSNorm(16, eps=1e-5, p=0.25)).eval()
+    with torch.no_grad():
+        for norm in model:
+            norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 16) * 3 + 1
+    file = tmp_path / "norm.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(file), dynamo=dynamo, input_names=["x"])
+    y = ort.InferenceSession(str(file)).run(None, {"x": x.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(y), model(x), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("entry", [{"logits\x1b[2J": "why"}, {"logits": "why\nwarning: fake"}])

@@ -1,0 +1,45 @@
+"""The names transformers gives a model's tensors on disk, which are not always the model's own.
+
+transformers 5 renamed some modules (GPT-NeoX's head `embed_out` is `lm_head`) and writes checkpoints under the
+old names, which transformers 4 builds and 5 renames back when loading. normswap writes its folders the same
+way (`save_pretrained`), and its `normswap` section maps each renamed module to its name on disk (`renamed`), so
+that the shipped modeling_normswap.py finds every module, and reads every tensor, in either major version.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+
+def saved_names(model: nn.Module, keys: list[str] | None = None) -> dict[str, str]:
+    """State name -> the key transformers' save_pretrained writes it under, for the names that differ (renamed
+    tensors only: one that transformers converts, e.g. merged experts, keeps its name here)."""
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:   # a transformers without checkpoint conversions
+        return {}
+    state = model.state_dict(keep_vars=True)
+    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
+                 for k in (state if keys is None else keys)}
+    back = {id(t): k for k, t in stand_ins.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(stand_ins))
+    except Exception:   # a conversion transformers cannot undo without the values: saved under the model's names
+        return {}
+    return {back[id(t)]: new for new, t in reverted.items() if id(t) in back and back[id(t)] != new}
+
+
+def renamed_modules(saved: dict[str, str]) -> dict[str, str]:
+    """Module name -> its name on disk (and in transformers 4), from `saved_names`: each renamed key's part
+    before the dotted tail that both names share ("lm_head.weight" -> "embed_out.weight": lm_head -> embed_out)."""
+    out = {}
+    for key, new in saved.items():
+        a, b = key.split("."), new.split(".")
+        n = 0
+        while n < min(len(a), len(b)) - 1 and a[-1 - n] == b[-1 - n]:
+            n += 1
+        out[".".join(a[:len(a) - n])] = ".".join(b[:len(b) - n])
+    return dict(sorted(out.items()))
