@@ -1,6 +1,12 @@
 """Running the CLI in-process and checking its one-line error contract; folder snapshots."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
 from click.testing import CliRunner
 
 from normswap.cli import main
@@ -19,3 +25,22 @@ def one_error_line(result, code=1):
 def snapshot(folder):
     """Every file under `folder`, by relative path, with its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@contextmanager
+def another_writer(script: str, target, go):
+    """Run `script` (argv: target, go, normswap's folder) in a second process until it has started writing
+    `target` and made `go`; yields the process; on exit removes `go` (its signal to finish) and checks that it
+    ended cleanly."""
+    import normswap
+    first = subprocess.Popen([sys.executable, "-c", script, str(target), str(go), os.path.dirname(normswap.__file__)])
+    try:
+        for _ in range(600):
+            if go.exists() or first.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert go.exists(), "the first writer never started"
+        yield first
+    finally:
+        go.unlink(missing_ok=True)
+        assert first.wait(60) == 0

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -21,7 +18,7 @@ from normswap.models.demo import DEMO_DIR
 from normswap.errors import NormswapError
 from normswap.io import rename
 
-from helpers.cli import one_error_line, run, snapshot
+from helpers.cli import another_writer, one_error_line, run, snapshot
 from helpers.tiny import tiny_model
 
 
@@ -179,18 +176,9 @@ WRITER = textwrap.dedent("""
 
 def test_concurrent_writer_fails_and_first_wins_whole(tmp_path, converted):
     out, go = tmp_path / "m", tmp_path / "go"
-    first = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(go), os.path.dirname(normswap.__file__)])
-    try:
-        for _ in range(600):
-            if go.exists() or first.poll() is not None:
-                break
-            time.sleep(0.05)
-        assert go.exists(), "the first writer never started"
-        with pytest.raises(NormswapError, match=rf"being written by another normswap process \(pid {first.pid}\)"):
-            normswap.save_pretrained(converted, out, overwrite=True)
-    finally:
-        go.unlink(missing_ok=True)
-        assert first.wait(60) == 0
+    with another_writer(WRITER, out, go) as first, \
+            pytest.raises(NormswapError, match=rf"being written by another normswap process \(pid {first.pid}\)"):
+        normswap.save_pretrained(converted, out, overwrite=True)
     assert snapshot(out) == {"config.json": b'{"normswap": {"who": "first"}}', "model.safetensors": b"first"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 

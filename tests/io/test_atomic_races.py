@@ -4,10 +4,7 @@ same lock, and a killed export's staging folder goes at the next run."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 
@@ -15,7 +12,7 @@ import normswap
 from normswap.errors import NormswapError
 from normswap.io import atomic, owned, rename
 
-from helpers.cli import one_error_line, run, snapshot
+from helpers.cli import another_writer, one_error_line, run, snapshot
 from helpers.export_models import converted as naive_conversion
 
 
@@ -186,18 +183,9 @@ HOLDER = textwrap.dedent("""
 
 def test_second_onnx_export_to_the_same_file_fails_at_once(tmp_path, converted, quick_export):
     path, go = tmp_path / "m.onnx", tmp_path / "go"
-    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(path), str(go), os.path.dirname(normswap.__file__)])
-    try:
-        for _ in range(600):
-            if go.exists() or first.poll() is not None:
-                break
-            time.sleep(0.05)
-        assert go.exists(), "the first writer never started"
-        with pytest.raises(NormswapError, match=rf"being written by another normswap process \(pid {first.pid}\)"):
-            normswap.export_onnx(converted, path, overwrite=True)
-    finally:
-        go.unlink(missing_ok=True)
-        assert first.wait(60) == 0
+    with another_writer(HOLDER, path, go) as first, \
+            pytest.raises(NormswapError, match=rf"being written by another normswap process \(pid {first.pid}\)"):
+        normswap.export_onnx(converted, path, overwrite=True)
     assert path.read_bytes() == b"first" and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
 
 
