@@ -24,6 +24,6 @@ def test_errors_are_one_line_whatever_the_message(monkeypatch, exc, line):
 
 
 def test_report_lines_show_names_escaped():
-    report = ConversionReport(to="rmsnorm", method="naive", not_preserved=["h\x1b[2J: changed\nfake line"])
+    report = ConversionReport(to="rmsnorm", method="naive", not_preserved={"h\x1b[2J": "changed\nfake line"})
     assert report.to_table().splitlines()[-1] == "not preserved: h\\x1b[2J: changed\\x0afake line"
     assert printable("tab\there ok é") == "tab\\x09here ok é"

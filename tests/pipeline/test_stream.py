@@ -52,7 +52,7 @@ def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype
     model, _ = normswap.load_model(str(tmp_path / "src"))
     original = normswap.load_model(str(tmp_path / "src"))[0]
     mem_report = normswap.convert(model, method=method)
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")   # keeps SRC's files, as streaming
     report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method, max_shard_size="20kB")
     assert len(set(json.loads((tmp_path / "out" / shards.INDEX).read_text())["weight_map"].values())) >= 3
     _same_tensors(tmp_path / "out", tmp_path / "mem")
@@ -92,7 +92,7 @@ def test_cli_streams_folders_and_keeps_errors_one_line(tmp_path):
     assert (tmp_path / "out" / shards.INDEX).exists()
     model, _ = normswap.load_model(str(tmp_path / "src"))
     normswap.convert(model, method="exact")
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
     # A missing shard: one line, nothing written.
     sorted((tmp_path / "src").glob("model-*"))[-1].unlink()
@@ -146,7 +146,7 @@ def test_cli_streams_a_speech_model_with_its_ctc_head(tmp_path):
     model, _ = normswap.load_model(str(tmp_path / "src"))
     assert type(model).__name__ == "Wav2Vec2ForCTC"
     normswap.convert(model, method="exact")
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
 
 
@@ -177,7 +177,7 @@ def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
     perturb(make(tf)).save_pretrained(tmp_path / "src")
     model, _ = normswap.load_model(str(tmp_path / "src"))
     mem = normswap.convert(model, method=method)
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
     report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method)
     assert report.method == mem.method == method
     _same_tensors(tmp_path / "out", tmp_path / "mem")
@@ -226,7 +226,7 @@ def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
     assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
     model, _ = normswap.load_model(str(tmp_path / "src"))
     normswap.convert(model)   # what the in-memory path does (naive here: the router reads the stream)
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
     _same_tensors(tmp_path / "out", tmp_path / "mem")
 
 
@@ -263,7 +263,7 @@ def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
     assert type(model) is type(built)
     report = normswap.convert(model, method="auto")
     assert report.method == method
-    normswap.save_pretrained(model, tmp_path / "mem")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
     stream_report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="auto")
     assert stream_report.method == method
     _same_tensors(tmp_path / "out", tmp_path / "mem")
