@@ -80,7 +80,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     k = partial_width(h.shape[-1], p)
     hk = hf if k == h.shape[-1] else hf[..., :k]
     ms = None
-    graph = exporting() or torch.compiler.is_compiling()   # one pass: no branch on the values in a graph
+    export = exporting()
+    graph = export or torch.compiler.is_compiling()   # one pass: no branch on the values in a graph
     if graph or checked_pass(h):
         ms = hk.pow(2).mean(-1, keepdim=True)
         if not graph and not bool(torch.isfinite(ms).all()):
@@ -90,7 +91,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         hf, eps = hf * inv, eps * inv * inv
         ms = (hk * inv).pow(2).mean(-1, keepdim=True)
     # x / sqrt(.) where not compiled: the form onnxruntime's fusion recognises on export
-    y = hf * torch.rsqrt(ms + eps) if graph and not exporting() else hf / torch.sqrt(ms + eps)
+    y = hf * torch.rsqrt(ms + eps) if graph and not export else hf / torch.sqrt(ms + eps)
     if weight is not None:
         y = y * weight.float()
     y = y.to(x.dtype).contiguous()   # as LayerNorm's, whatever x's strides: callers .view() it
