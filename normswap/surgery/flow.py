@@ -65,6 +65,12 @@ def decode(codes: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor, torc
     return part, rem // w, rem % w
 
 
+def channels_read(f: Flow) -> dict[int, frozenset]:
+    """For a mapped flow: part -> the channels of it that its elements hold (zero elements hold none)."""
+    part, _, chan = decode(f.codes, f.parts)
+    return {p: frozenset(chan[part == p].unique().tolist()) for p in range(len(f.parts))}
+
+
 def canonical(codes: torch.Tensor, parts, plain: bool) -> Flow:
     """The flow of a rearranged tensor whose elements have `codes`: intact where a dim holds whole rows."""
     tags = (codes >> SHIFT).unique().tolist()   # part + 1; 0 where an element is zero

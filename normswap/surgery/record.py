@@ -15,8 +15,9 @@ from normswap.models.introspect import floating_buffers, in_width, is_scale, nor
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
-from normswap.surgery.flow import ZERO, Flow, NormInput, decode, norm_input, opaque
+from normswap.surgery.flow import ZERO, Flow, NormInput, channels_read, norm_input, opaque
 from normswap.surgery.labels import Label, User
+from normswap.surgery.tensormap import TensorMap
 
 # Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
 IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
@@ -52,7 +53,7 @@ class Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module, norms: set[str]):
         super().__init__()
         self.trace = Trace()
-        self.flows: dict[int, tuple[torch.Tensor, Flow]] = {}
+        self.flows = TensorMap()   # tensor -> Flow
         # persistent buffers (saved with the weights) are followed as parameters are, and centred the same way;
         # a non-persistent one is rebuilt by the model's code, so no edit of it lasts: it stays unfollowed
         buffers = floating_buffers(model)
@@ -67,21 +68,21 @@ class Recorder(TorchFunctionMode):
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending: dict[int, tuple[torch.Tensor, Flow, User]] = {}   # slices not read yet
-        self.deferred: list[tuple[User, Flow]] = []                       # uses of rearranged tensors
+        self.deferred: list[tuple[User, frozenset, list, dict]] = []      # uses of rearranged tensors
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
         if not x.is_floating_point():
             return None
-        held = self.flows.get(id(x))
-        if held is not None and held[0] is x:
-            return held[1]
+        held = self.flows.get(x)
+        if held is not None:
+            return held
         if id(x) in self.labels:
             return Flow(frozenset({self.labels[id(x)]}))
         return None
 
     def set(self, x: torch.Tensor, flow: Flow) -> None:
-        self.flows[id(x)] = (x, flow)
+        self.flows.set(x, flow, strong=id(x) in self.params)
 
     def here(self) -> str:
         """The module running now ("" outside any)."""
@@ -95,8 +96,8 @@ class Recorder(TorchFunctionMode):
         tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
         if not flow.pure or flow.zero:
             return
-        if flow.codes is not None:
-            self.deferred.append((user, flow))
+        if flow.codes is not None:   # the channels each part gave, now: its per-element codes are not held
+            self.deferred.append((user, flow.labels, flow.parts, channels_read(flow)))
         for label in flow.labels:
             self.trace.uses[label].setdefault(user, None if flow.codes is None else frozenset())
             if flow.codes is None:
@@ -105,15 +106,12 @@ class Recorder(TorchFunctionMode):
     def finish(self) -> None:
         """The channels read by the deferred uses, for labels some norm reads (the rest: present, all)."""
         sources = {label for calls in self.trace.calls.values() for call in calls for label in call.sources}
-        for user, flow in self.deferred:
-            wanted = [(p, labels & sources) for p, (labels, _) in enumerate(flow.parts) if labels & sources]
-            part, _, chan = decode(flow.codes, flow.parts) if wanted else (None, None, None)
-            for p, labels in wanted:
-                seen = frozenset(chan[part == p].unique().tolist())
-                for label in labels:
+        for user, all_labels, parts, seen in self.deferred:
+            for p, (labels, _) in enumerate(parts):
+                for label in labels & sources:
                     held = self.trace.uses[label].get(user)
-                    self.trace.uses[label][user] = None if held is None else held | seen
-            for label in flow.labels - sources:
+                    self.trace.uses[label][user] = None if held is None else held | seen.get(p, frozenset())
+            for label in all_labels - sources:
                 self.trace.uses[label][user] = None
         self.deferred.clear()
 
