@@ -25,7 +25,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from normswap import progress
-from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, trim
+from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, bound_heap, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import portable, safetensors
@@ -172,6 +172,7 @@ def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm
     written) for a folder that converts only in memory.
     """
     dtype = dtype_name(dtype)
+    bound_heap()
     folder = src if isinstance(src, Folder) else read_folder(Path(src).expanduser())
     model, lazy = open_folder(folder, DTYPES[dtype] if dtype else None)
     if (folder.path / "generation_config.json").exists():  # as from_pretrained does
