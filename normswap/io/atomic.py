@@ -97,7 +97,7 @@ def check_writable(out) -> None:
     path = Path(os.path.abspath(Path(out).expanduser()))
     there = next(p for p in path.parents if p.exists() or p.is_symlink())
     if not there.is_dir():
-        raise NormswapError(f"cannot write {out}: {there} is not a folder")
+        raise NormswapError(f"cannot write to {there}: not a folder")
     probe = there / f".normswap-probe-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         os.mkdir(probe, 0o700)
