@@ -93,3 +93,15 @@ def test_a_text_encoder_decoder_is_refused_in_one_line(tmp_path):
     line = one_error_line(run("export", tmp_path / "mbart", "--onnx", tmp_path / "m.onnx"))
     assert line.startswith("error: cannot export MBartForConditionalGeneration: an encoder-decoder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mbart"]
+
+
+def test_a_vision_encoder_exports_a_deployment_folder_with_its_processor_settings(tmp_path):
+    converted("vit", "exact", tmp_path)
+    processor = '{"image_processor_type": "ViTImageProcessor", "size": {"height": 32, "width": 32}}'
+    (tmp_path / "vit" / "preprocessor_config.json").write_text(processor)
+    result = run("export", tmp_path / "vit", "-o", tmp_path / "onnx")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "onnx").iterdir()) == ["config.json", "model.onnx",
+                                                                     "preprocessor_config.json"]
+    assert (tmp_path / "onnx" / "preprocessor_config.json").read_text() == processor
+    assert json.loads((tmp_path / "onnx" / "config.json").read_text())["use_cache"] is False
