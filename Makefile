@@ -30,11 +30,29 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(VENV)/bin/normswap convert normswap-demo --to rmsnorm -o $(DEMO_OUT) --overwrite
 
-test: lint
+# transformers 4.x beside .venv's 5.x, for the cross-version check (tests/models/test_shipped.py run again with
+# NORMSWAP_PLAIN_PYTHON: folders written under 5.x load the same model in 4.57). A small venv of its own: no pip
+# (.venv's pip installs into it), everything but transformers and the versions it needs read from .venv's
+# site-packages through a .pth file, so torch is not installed twice.
+TF4 ?= .venv-tf4
+TF4_STAMP := $(TF4)/.installed
+TF4_PACKAGES ?= transformers==4.57.6 tokenizers==0.22.2 huggingface_hub==0.36.2
+
+$(TF4_STAMP): $(STAMP)
+	rm -rf $(TF4)
+	python3 -m venv --without-pip $(TF4)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(TF4)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/normswap-main.pth"
+	$(PY) -m pip --python $(TF4)/bin/python install -q --disable-pip-version-check $(TF4_PACKAGES)
+	touch $(TF4_STAMP)
+
+test: lint $(TF4_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	NORMSWAP_PLAIN_PYTHON=$(abspath $(TF4))/bin/python TRITON_INTERPRET=1 $(PY) -m pytest -q \
+		tests/models/test_shipped.py -k every_exact_family
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check normswap tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache
+	rm -rf $(VENV) $(TF4) $(DEMO_OUT) .pytest_cache

@@ -74,6 +74,13 @@ def one_line_interrupts() -> None:
 
 def first_line(e: BaseException | str, default: str = "", *, strip: bool = False) -> str:
     """The first line of `e`'s message (of the message stripped, with `strip`), or `default` where it has none:
-    how a failure from elsewhere is quoted in a one-line error."""
+    how a failure from elsewhere is quoted in a one-line error. A first line that ends in a colon introduces the
+    next: the next non-blank line is joined to it (and so on while they end in one), so that the reason is whole
+    (huggingface_hub's "Validation error for field 'x':" then "TypeError: ... got bogus")."""
     lines = (str(e).strip() if strip else str(e)).splitlines()
-    return lines[0] if lines else default
+    if not lines:
+        return default
+    line, rest = lines[0], [ln.strip() for ln in lines[1:] if ln.strip()]
+    while line.rstrip().endswith(":") and rest:
+        line = f"{line.rstrip()} {rest.pop(0)}"
+    return line

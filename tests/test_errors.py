@@ -20,3 +20,13 @@ def test_strip_skips_leading_blank_lines():
     assert first_line(e, strip=True) == "compiler said no  "   # the message is stripped, not the line
     assert first_line(RuntimeError(" \n "), "RuntimeError", strip=True) == "RuntimeError"
     assert first_line(RuntimeError(" \n ")) == " "    # unstripped: a blank first line, not the default
+
+
+def test_a_first_line_that_introduces_the_next_takes_it_along():
+    """Issue 33 #20: LLaVA with a bogus vision_feature_select_strategy was refused with the reason cut off after
+    "Validation error for field 'vision_feature_select_strategy':"."""
+    e = TypeError("Validation error for field 'mode':\n    TypeError: Field 'mode' expected one of ('a', 'b'), got c\n")
+    assert first_line(e) == "Validation error for field 'mode': TypeError: Field 'mode' expected one of ('a', 'b'), " \
+                            "got c"
+    assert first_line("a:\n\n b:\n c\n d") == "a: b: c"
+    assert first_line("ends in a colon:") == "ends in a colon:"

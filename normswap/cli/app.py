@@ -74,7 +74,11 @@ class Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort, BrokenPipeError):
             raise   # a closed pipe (`| head -3`): click's main ends quietly, exit 1
         except NormswapError as e:
-            click.echo(f"error: {printable(e.for_cli(self.flag_names()))}", err=True)
+            try:
+                names = self.flag_names()
+            except Exception:   # it imports every command's module, and memory may have run out (ulimit -v)
+                names = {}
+            click.echo(f"error: {printable(e.for_cli(names))}", err=True)
         except KeyboardInterrupt as e:
             e = Interrupted.after(e)
             done = f"{', '.join(e.written)} written" if e.written else "nothing was written"

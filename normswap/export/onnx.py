@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import inspect
 import io
 import logging
 import os
@@ -29,6 +30,7 @@ from normswap.io.atomic import atomic_files
 from normswap.errors import NormswapError
 from normswap.export import wrap
 from normswap.export.report import ExportReport
+from normswap.models.inputs import sample_inputs
 from normswap.models.inputs.examples import HOW, as_batches
 from normswap.models.section import has_config
 from normswap.models.introspect import is_rms_norm
@@ -38,6 +40,11 @@ from normswap.parity import main_output
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
+# the main inputs of vision and audio encoders, and the axes of each own input exported dynamic: the batch, and a
+# waveform's length (images keep the config's size, log-mel features the model's window)
+MEDIA = ("pixel_values", "input_features", "input_values")
+MEDIA_AXES = {"pixel_values": (0,), "input_features": (0,), "input_values": (0, 1), "attention_mask": (0, 1)}
+KINDS = "decoder-only language models, text encoders and vision and audio encoders"
 FP32_TOL = 1e-4
 FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
 EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
@@ -88,9 +95,28 @@ def count_norms(model: nn.Module) -> dict[str, int]:
             "lowered": sum(translate.fusable(m) for m in mods)}
 
 
+def own_inputs(model: nn.Module, with_past: bool) -> list[dict] | None:
+    """A vision or audio encoder's own inputs, to export it on as on example inputs: normswap's sample batches
+    (images of the config's size, log-mel features, waveforms with their mask), less the inputs that only
+    switch an optional path on (`bool_masked_pos`); None for a model that reads text (input_ids). Encoder-decoders
+    are refused: one graph of both halves is not what their generation runs."""
+    main, name = getattr(model, "main_input_name", "input_ids"), type(model).__name__
+    if "decoder_input_ids" in inspect.signature(model.forward).parameters:
+        raise NormswapError(f"cannot export {name}: an encoder-decoder (its decoder runs once per generated token "
+                            f"on the encoder's output); normswap exports {KINDS}")
+    if main == "input_ids":
+        return None
+    if main not in MEDIA:
+        raise NormswapError(f"cannot export {name}: its main input `{main}` is none of input_ids, {', '.join(MEDIA)}")
+    if with_past:
+        raise NormswapError(f"`with_past=True` needs a decoder-only language model, not {name} (an encoder)")
+    return [{k: v for k, v in b.items() if k in (main, "attention_mask")} for b in sample_inputs(model)]
+
+
 def _main_output(model: nn.Module) -> str:
     if getattr(model.config, "vocab_size", None) is None:
-        raise NormswapError(f"{type(model).__name__} does not take input_ids: only text models export")
+        raise NormswapError(f"cannot export {type(model).__name__}: it reads input_ids but its config names no "
+                            f"vocab_size (a model of several towers?); normswap exports {KINDS}")
     ids = torch.zeros(1, 3, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
         name, _ = main_output(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
@@ -138,17 +164,19 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, 
     return prog, rewrites
 
 
-def _export_module(model: nn.Module, batch: dict, target: str, opset: int):
-    """Any module's graph on an example batch: its inputs' dims dynamic where the model allows it, else (where
-    torch.export fails with them) the example's shapes; (ONNXProgram, rewrites, output names)."""
+def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes: dict | None = None):
+    """Any module's graph on an example batch: its inputs' dims (`axes`: only those named there) dynamic where
+    the model allows it, else (where torch.export fails with them) the example's shapes; (ONNXProgram,
+    rewrites, output names)."""
     flat = wrap.flat_inputs(batch)
     args = tuple(t for _, t in flat)
     names = ([n for n, _ in flat], wrap.output_names(model, batch))
     if not names[1]:
         raise NormswapError(f"{type(model).__name__} returns no tensor on the example inputs: nothing to export")
     wrapper = wrap.Flat(model, batch)
+    dyn = wrap.auto_shapes(args, axes and [axes.get(n, ()) for n in names[0]])
     try:
-        return (*_dynamo(wrapper, model, args, names, wrap.auto_shapes(args), target, opset), names[1])
+        return (*_dynamo(wrapper, model, args, names, dyn, target, opset), names[1])
     except NormswapError:   # dynamic shapes it cannot trace: the example's own
         return (*_dynamo(wrapper, model, args, names, None, target, opset), names[1])
 
@@ -170,12 +198,16 @@ def _build_hf(reference: nn.Module, work: nn.Module, report: ExportReport):
 def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
           validate: bool, external_data_bytes: int, example_inputs=None) -> ExportReport:
     """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`. With
-    `example_inputs`, any module, on them (`_export_module`); without, an HF model on its own inputs."""
+    `example_inputs`, any module, on them (`_export_module`); without, an HF model on its own inputs: a text
+    model's input_ids (`_build_hf`), a vision or audio encoder's (`own_inputs`, then as on example inputs)."""
     from normswap.export.validate import validate_export, validate_module   # onnx is an optional extra
 
     modes = contextlib.ExitStack()   # eval, every module's own flag back after it
     modes.enter_context(eval_mode(model))
     try:
+        axes = None
+        if example_inputs is None:
+            example_inputs, axes = own_inputs(model, with_past), MEDIA_AXES
         reference = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
         work = copy.deepcopy(reference).half() if fp16 else reference
         report = ExportReport(str(final), target, opset, fp16, with_past, "", norms=count_norms(work))
@@ -183,7 +215,8 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
             prog = _build_hf(reference, work, report)
         else:
             batches = as_batches(reference, example_inputs)
-            prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], target, opset)
+            prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], target, opset,
+                                                            axes)
             report.output = ", ".join(names)
         prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16)})
         # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.

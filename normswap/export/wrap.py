@@ -200,6 +200,8 @@ def output_names(model: nn.Module, batch: dict) -> list[str]:
     return [name or "output" for name, _ in tensors(model(**batch))]
 
 
-def auto_shapes(flat: tuple) -> tuple:
-    """dynamic_shapes for `Flat`'s *inputs: every dim > 1 automatic (dynamic unless the model fixes it)."""
-    return (tuple({i: Dim.AUTO for i, n in enumerate(t.shape) if n > 1} for t in flat),)
+def auto_shapes(flat: tuple, axes: list[tuple[int, ...]] | None = None) -> tuple:
+    """dynamic_shapes for `Flat`'s *inputs: every dim > 1 automatic (dynamic unless the model fixes it), or, with
+    `axes`, only those of each input's axes."""
+    return (tuple({i: Dim.AUTO for i, n in enumerate(t.shape) if n > 1 and (axes is None or i in axes[k])}
+                  for k, t in enumerate(flat)),)

@@ -21,9 +21,11 @@ save to `out` abandons that save (`out` is replaced atomically, so it stays as i
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 import warnings
@@ -35,7 +37,7 @@ from torch import nn
 
 from normswap import progress as shown_progress
 from normswap import signals
-from normswap.io.atomic import check_output, check_replaceable
+from normswap.io.atomic import Held, check_output, check_replaceable, held
 from normswap.io import safetensors
 from normswap.errors import Interrupted, NormswapError
 from normswap.evaluation import check_vocabulary
@@ -74,7 +76,7 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
         safetensors.check_space(out, safetensors.total_bytes(safetensors.saved_specs(student)))
 
 
-def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, partial: Path) -> str | None:
+def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, partial: Path, keep: Keep) -> str | None:
     student.config.normswap_heal = info
     files = {tracking.LOG_FILE: json.dumps(log, indent=1)}
     if info["interrupted"]:
@@ -85,15 +87,29 @@ def _save(student, tokenizer, out, overwrite: bool, info: dict, log: dict, parti
                 earlier = None
             if not (isinstance(earlier, dict) and earlier.get("interrupted")):
                 return None
-        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True, files=files))
-    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite, files=files))
+        return str(save.save_pretrained(student, partial, tokenizer, overwrite=True, files=files, source=keep.source))
+    return str(save.save_pretrained(student, out, tokenizer, overwrite=overwrite, files=files, source=keep.source,
+                                    lock=keep.lock))
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep:
+    """What the save keeps: the student's folder, whose kept files (`io.kept`) OUT keeps as convert's does, and
+    OUT's lock, held since before training."""
+    source: str | Path | None = None
+    lock: Held | None = None
+
+
+def _main_process() -> bool:
+    """Rank 0 of a launch (accelerate launch, torchrun: RANK), or no launcher: the process that saves."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokenizer=None,
          options: HealOptions | None = None, *, out: str | Path | None = None, overwrite: bool = False,
          progress: bool = False, callback: Callable[[int, float], None] | None = None,
          cpu: bool | None = None, fsdp: bool | None = None, partial: str | Path | None = None,
-         **fields) -> HealReport:
+         source: str | Path | None = None, **fields) -> HealReport:
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
@@ -106,7 +122,9 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     (off by default: a library does not draw on your terminal; `normswap heal` turns it on). callback(step,
     loss) runs after every step. cpu: train on the CPU even where CUDA is available (None: CUDA when
     available). Ctrl-C: see the module docstring. fsdp: shard the student over the processes (None: when
-    the launch asked for FSDP). partial: where an interrupted run saves (default `<out>.partial`). Diverged
+    the launch asked for FSDP). partial: where an interrupted run saves (default `<out>.partial`). source: the
+    student's folder, whose other files (tokenizer, sentence-transformers modules: `io.kept`) `out` keeps. OUT's
+    lock is held from before training to the save: a second writer of `out` fails at once. Diverged
     training (a non-finite loss or weight) raises NormswapError, nothing saved; `student` then holds the last
     finite step.
     """
@@ -122,14 +140,16 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     if contains_heldout(texts):   # an honest number needs text the heal never saw
         warnings.warn("the training text contains the held-out chapters that `normswap eval` scores by default "
                       "(Persuasion ch. 21-24): evaluate this heal on other text (eval --data)", stacklevel=2)
-    run = prepare(student, teacher, texts, tokenizer, o, cpu, fsdp)
-    state = _train(run, progress, callback)
-    _check_finite(run, state)
-    report = _report(run, state)
-    if out is not None and not state.torn and state.losses:
-        if run.accelerator.is_main_process:
-            _save_keeping_work(run.student, tokenizer, out, overwrite, report, partial)
-        run.accelerator.wait_for_everyone()
+    with contextlib.ExitStack() as stack:
+        lock = stack.enter_context(held(out)) if out is not None and _main_process() else None
+        run = prepare(student, teacher, texts, tokenizer, o, cpu, fsdp)
+        state = _train(run, progress, callback)
+        _check_finite(run, state)
+        report = _report(run, state)
+        if out is not None and not state.torn and state.losses:
+            if run.accelerator.is_main_process:
+                _save_keeping_work(run.student, tokenizer, out, overwrite, report, partial, Keep(source, lock))
+            run.accelerator.wait_for_everyone()
     return report
 
 
@@ -257,7 +277,8 @@ def _report(run: Run, state: State) -> HealReport:
                       history=m.history)
 
 
-def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealReport, partial: Path) -> None:
+def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealReport, partial: Path,
+                       keep: Keep) -> None:
     """Save to `out` (or `out`.partial if interrupted); a Ctrl-C during the final save must not lose the
     finished steps, so it falls back to `out`.partial, written with further signals held off (a torn
     partial checkpoint would be worse than a few seconds' wait)."""
@@ -266,7 +287,7 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
                                                 "batch_size", "seed", "interrupted")}
     if not report.interrupted:
         try:
-            report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
+            report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial, keep)
             return
         except Interrupted as e:   # held during the rename, delivered after it: `out` is complete
             report.interrupted, report.save_interrupted = True, True
@@ -276,6 +297,6 @@ def _save_keeping_work(student, tokenizer, out, overwrite: bool, report: HealRep
             report.interrupted, report.save_interrupted = True, True
             report.signum = report.signum or (e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT)
     with signals.held():
-        report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial)
+        report.saved_to = _save(student, tokenizer, out, overwrite, info(), report.log(), partial, keep)
     if report.saved_to is None:
         report.not_saved = f"{partial} is not an interrupted run's checkpoint of normswap's"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from normswap.errors import NormswapError
 from normswap.healing.tracking import LOG_FILE
+from normswap.io.atomic import check_writable
 
 
 def check_available() -> None:
@@ -28,7 +29,9 @@ def check_target(png: str | Path, overwrite: bool | str, out: str | Path | None 
     if png.suffix.lower() != ".png":
         raise NormswapError(f"{png}: the plot's file name must end in .png")
     if png.is_dir() or (png.exists() and not overwrite):
-        raise NormswapError(f"{png} exists: pass `overwrite=True` to replace it")
+        raise NormswapError(f"{png} exists" + (" and is a folder" if png.is_dir() else
+                                              ": pass `overwrite=True` to replace it"))
+    check_writable(png)
     if out is not None and Path(out).resolve() in png.resolve().parents:
         raise NormswapError(f"{png} is inside `out` {out}, which is replaced whole when the run ends")
     return png

@@ -18,6 +18,7 @@ exact form normswap generates. A folder no journal lists is left alone, whatever
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import os
@@ -84,7 +85,25 @@ def check_output(out, inputs=()) -> Path:
             raise NormswapError(f"{out} is inside {what} {src}" + ("" if Path(os.path.abspath(
                 Path(out).expanduser())).is_relative_to(os.path.abspath(path)) else " (through a symlink)") +
                 ": write somewhere else")
+    check_writable(out)
     return target
+
+
+def check_writable(out) -> None:
+    """Refuse an output that cannot be made where it is named, before any work: the nearest existing folder on
+    its way (its parent, or the first one that exists) must be a folder in which something can be created.
+    Probed by making and removing a hidden folder there: permission bits say nothing to root, nor about
+    read-only mounts."""
+    path = Path(os.path.abspath(Path(out).expanduser()))
+    there = next(p for p in path.parents if p.exists() or p.is_symlink())
+    if not there.is_dir():
+        raise NormswapError(f"cannot write to {there}: not a folder")
+    probe = there / f".normswap-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(probe, 0o700)
+        os.rmdir(probe)
+    except OSError as e:
+        raise NormswapError(f"cannot write to {there}: {e.strerror or e}") from None
 
 
 def _real_paths(path: Path, limit: int = 10_000) -> list[Path]:
@@ -273,17 +292,44 @@ def _honour_umask(path: Path) -> None:
     os.chmod(path, 0o777 & ~mask)
 
 
-@contextlib.contextmanager
-def _staging(out: str | Path, check):
-    """Under OUT's lock, after recovering a killed run and `check()`: yield (temp folder beside OUT, OUT as an
-    absolute path, the lock's fd); the temp folder is deleted if the block fails."""
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """OUT's lock, taken ahead of the work that ends in writing OUT (`held`): `out` (absolute), the lock file's
+    descriptor and what a killed holder's journal listed."""
+    out: Path
+    fd: int
+    journal: list
+
+
+def _placed(out: str | Path) -> Path:
+    """OUT as an absolute path, checked (`check_output`), its parent made."""
     check_output(out)
     out = Path(os.path.abspath(Path(out).expanduser()))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise NormswapError(f"cannot write to {out.parent}: {e.strerror or e}") from None
+    return out
+
+
+@contextlib.contextmanager
+def held(out: str | Path):
+    """Hold OUT's lock for a block (a heal's training, then its save): a second writer of OUT fails at once
+    instead of after its own work. Pass the `Held` it yields to `atomic_dir(..., lock=)` to write OUT under it."""
+    out = _placed(out)
     with _lock(out) as (fd, journal):
+        yield Held(out, fd, journal)
+
+
+@contextlib.contextmanager
+def _staging(out: str | Path, check, lock: Held | None = None):
+    """Under OUT's lock (`lock`, held by the caller, or taken here), after recovering a killed run and
+    `check()`: yield (temp folder beside OUT, OUT as an absolute path, the lock's fd); the temp folder is
+    deleted if the block fails."""
+    out = _placed(out)
+    if lock is not None and lock.out != out:
+        raise ValueError(f"the lock held is {lock.out}'s, not {out}'s")
+    with (contextlib.nullcontext((lock.fd, lock.journal)) if lock else _lock(out)) as (fd, journal):
         recover(out, journal)
         check()
         tmp = _journal(fd, "tmp", out.parent / f".{_stem(out)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -299,14 +345,14 @@ def _staging(out: str | Path, check):
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path, overwrite=False):
+def atomic_dir(out: str | Path, overwrite=False, lock: Held | None = None):
     """Yield a temp folder beside `out`; on success it replaces `out`, on failure `out` is as before.
 
     overwrite: see check_replaceable (checked at the start and again at the swap). Another process writing
-    `out` at the same time: NormswapError.
+    `out` at the same time: NormswapError. lock: OUT's lock, already held (`held`).
     """
     shown = Path(out).expanduser()
-    with _staging(out, lambda: check_replaceable(shown, overwrite)) as (tmp, out, fd):
+    with _staging(out, lambda: check_replaceable(shown, overwrite), lock) as (tmp, out, fd):
         _honour_umask(tmp)
         yield tmp
         _swap(tmp, out, fd, lambda: check_replaceable(shown, overwrite))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from normswap.io.atomic import atomic_dir
+from normswap.io.atomic import Held, atomic_dir
 from normswap.io import kept, owned, safetensors
 from normswap.errors import NormswapError
 from normswap.models import schema
@@ -27,7 +27,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
                     max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                     check: Callable[[Path], None] | None = None,
                     tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None,
-                    source: str | Path | None = None) -> Path:
+                    source: str | Path | None = None, lock: Held | None = None) -> Path:
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
@@ -41,12 +41,13 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     overwrite: True replaces an empty folder or one normswap wrote; "any" replaces any folder.
     source: the model's folder, whose other files its loaders read OUT keeps (`io.kept`: sentence-transformers'
     modules, the slow tokenizer's files, generation settings); a file linked from outside it is refused.
+    lock: OUT's lock, held by the caller since before its work (`io.atomic.held`: heal's training).
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
     if not has_config(model):
-        return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files)
+        return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files, lock)
     section = getattr(model.config, "normswap", None)
     if section and transformers_class(type(model).__name__) is not type(model):
         raise NormswapError(f"cannot save the converted {type(model).__name__}: it is not a transformers class (its "
@@ -58,7 +59,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
     saved = saved_names(model)   # transformers' names on disk, which transformers 4 builds
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, lock) as tmp:
         safetensors.save_model(model, tmp, max_shard_size, tensors, saved)  # tied tensors once, restored by loading
         if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
             section.update(format=schema.FORMAT, base={"architecture": type(model).__name__,
@@ -103,11 +104,12 @@ def module_record(model: nn.Module) -> dict:
 def save_module(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bool | str = False,
                 max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                 check: Callable[[Path], None] | None = None,
-                tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None) -> Path:
+                tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None,
+                lock: Held | None = None) -> Path:
     """`save_pretrained` for a module without a transformers config: weights (tied tensors once) and
     normswap.json with the section's checksum (of itself and of the weights' headers)."""
     record = module_record(model)
-    with atomic_dir(out, overwrite) as tmp:
+    with atomic_dir(out, overwrite, lock) as tmp:
         safetensors.save_model(model, tmp, max_shard_size, tensors)
         record["checksum"] = schema.checksum(record, tmp)
         (tmp / owned.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")

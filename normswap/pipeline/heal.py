@@ -11,6 +11,7 @@ from normswap.healing.loop import heal
 from normswap.healing.options import check_lr, partial_path
 from normswap.healing.report import HealReport
 from normswap.io.atomic import check_output, check_replaceable
+from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.evaluate import load_pair
 from normswap.pipeline.options import HealCheckpointOptions
@@ -61,7 +62,8 @@ def heal_checkpoint(src: str, out: str | Path, options: HealCheckpointOptions | 
         plot.check_target(o.plot, o.overwrite, out)
     student, teacher, tok = load_pair(src, o.teacher if o.heal.objective == "kd" else None, "the teacher", o.load)
     report = heal(student, teacher, texts, tokenizer=tok, options=o.heal, out=out, overwrite=o.overwrite,
-                  progress=o.show_progress, cpu=device.type == "cpu", fsdp=o.fsdp, partial=partial)
+                  progress=o.show_progress, cpu=device.type == "cpu", fsdp=o.fsdp, partial=partial,
+                  source=source_folder(src))
     from accelerate import PartialState
     result = HealResult(report, PartialState().is_main_process)
     if o.plot and report.steps_done and result.main_process:

@@ -27,3 +27,20 @@ def test_report_lines_show_names_escaped():
     report = ConversionReport(to="rmsnorm", method="naive", not_preserved={"h\x1b[2J": "changed\nfake line"})
     assert report.to_table().splitlines()[-1] == "not preserved: h\\x1b[2J: changed\\x0afake line"
     assert printable("tab\there ok é") == "tab\\x09here ok é"
+
+
+def test_an_error_stays_one_line_when_naming_its_flags_runs_out_of_memory(monkeypatch):
+    """Issue 33 #21: under an address-space limit, the import of every command's module (to spell flags as the
+    command line does) raised MemoryError while an error was being reported: a traceback."""
+    from normswap.cli.app import Group
+
+    def fail(*a, **k):
+        raise NormswapError("cannot load model from x: Cannot allocate memory (os error 12)")
+
+    def no_memory(self):
+        raise MemoryError()
+    monkeypatch.setattr(convert_cli, "inspect_checkpoint", fail)
+    monkeypatch.setattr(Group, "flag_names", no_memory)
+    assert one_error_line(run("inspect", "normswap-demo")) == \
+        "error: cannot load model from x: Cannot allocate memory (os error 12)"
+

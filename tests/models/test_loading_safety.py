@@ -320,3 +320,23 @@ def test_saved_folder_mode_follows_umask(tmp_path, mask):
         os.umask(old)
     assert (tmp_path / "m").stat().st_mode & 0o777 == 0o777 & ~mask
 
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_bogus_llava_strategy_is_refused_with_the_whole_reason(tmp_path, command):
+    """Issue 33 #20: the reason was cut off after "Validation error for field 'vision_feature_select_strategy':"."""
+    import transformers as tf
+    vision = tf.CLIPVisionConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=16, patch_size=8)
+    text = tf.LlamaConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=32, max_position_embeddings=32)
+    tf.LlavaForConditionalGeneration(tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=30,
+                                                    vision_feature_layer=-1)).save_pretrained(tmp_path / "llava")
+    edit_config(tmp_path / "llava", lambda c: c.update(vision_feature_select_strategy="bogus"))
+    result = run(command, tmp_path / "llava", *(["--to", "rmsnorm", "-o", tmp_path / "out"] * (command == "convert")))
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: cannot load model from {tmp_path / 'llava'}: Validation error for field "
+                               "'vision_feature_select_strategy': ")
+    assert lines[0].endswith("got bogus")
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import transformers
 
 import normswap
 from normswap.io import portable, shipped
@@ -65,9 +66,16 @@ jobs, results = json.load(open(sys.argv[1])), {}
 for folder, inputs_file in jobs.items():
     config = json.load(open(folder + "/config.json"))
     arch = config["architectures"][0]
-    auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch))[0]
+    if "auto_map" in config:   # a converted folder: the Auto class its auto_map offers
+        auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch))[0]
+    else:                      # an original: its own class
+        auto = arch
     try:
-        model = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True).eval()
+        model, info = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True,
+                                                                  output_loading_info=True)
+        if info["missing_keys"]:   # transformers initialises them at random: not the model saved
+            raise ValueError(f"weights missing: {sorted(info['missing_keys'])[:3]}")
+        model.eval()
     except Exception as e:
         results[folder] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         continue
@@ -79,6 +87,7 @@ for folder, inputs_file in jobs.items():
             outputs.append(out)
     torch.save(outputs, folder + "-plain.pt")
     results[folder] = {"cls": type(model).__name__, "auto": auto}
+results["transformers"] = transformers.__version__
 json.dump(results, open("results.json", "w"))
 '''
 
@@ -86,6 +95,7 @@ json.dump(results, open("results.json", "w"))
 # The interpreter that loads the folders: this one, or NORMSWAP_PLAIN_PYTHON's (a venv with the other transformers
 # major version, 4.57: CI runs this file again with it; the folders load there as in transformers 5).
 PLAIN_PYTHON = os.environ.get("NORMSWAP_PLAIN_PYTHON", sys.executable)
+OTHER_VERSION = PLAIN_PYTHON != sys.executable
 
 
 def plain_transformers(tmp_path: Path, jobs: dict[str, str]) -> dict:
@@ -96,8 +106,12 @@ def plain_transformers(tmp_path: Path, jobs: dict[str, str]) -> dict:
     env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
     proc = subprocess.run([PLAIN_PYTHON, "child.py", "jobs.json"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((tmp_path / "results.json").read_text())
+    assert proc.returncode == 0, proc.stderr[-3000:]   # a broken NORMSWAP_PLAIN_PYTHON fails, never skips
+    results = json.loads((tmp_path / "results.json").read_text())
+    ours = int(transformers.__version__.split(".")[0])
+    # the other major version where one was asked for (4.x beside our 5.x), else this very one
+    assert (int(results.pop("transformers").split(".")[0]) != ours) == OTHER_VERSION, PLAIN_PYTHON
+    return results
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -115,6 +129,8 @@ def converted(tmp_path_factory):
         inputs = sample_inputs(model) + EXTRA_INPUTS.get(name, [])
         with torch.no_grad():
             want = [main_output(model(**batch))[1].double() for batch in inputs]
+        if OTHER_VERSION:   # what the other version's own original gives is what the converted folder must give
+            model.save_pretrained(root / f"{name}-original")
         report = normswap.convert(model, method="exact")
         assert report.method == "exact" and report.verification["enforced"], name
         normswap.save_pretrained(model, root / name)
@@ -148,11 +164,21 @@ def test_every_exact_family_loads_in_plain_transformers_as_the_original(converte
     # so any difference left is the rebuild's, not the norm kernel's
     monkeypatch.setenv("NORMSWAP_BACKEND", "torch")
     root, cases = converted
-    got = plain_transformers(root, {str(folder): str(root / f"{name}-inputs.pt")
-                                    for name, (folder, _, _) in cases.items()})
+    jobs = {str(folder): str(root / f"{name}-inputs.pt") for name, (folder, _, _) in cases.items()}
+    if OTHER_VERSION:
+        jobs.update({f"{folder}-original": inputs for folder, inputs in list(jobs.items())})
+    got = plain_transformers(root, jobs)
     failures = []
     for name, (folder, inputs, want) in cases.items():
         res = got[str(folder)]
+        if OTHER_VERSION and "error" in got[f"{folder}-original"]:   # its original does not load there either:
+            if "error" not in res:                                     # the converted folder must be refused too
+                failures.append(f"{name}: loads where its original does not ({got[f'{folder}-original']})")
+            continue
+        if OTHER_VERSION:   # that version's own original (ESM's differs from 5.x's on padded rows)
+            want = [next(o for k, o in outputs.items() if k in ("logits", "last_hidden_state")) if any(
+                k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
+                for outputs in torch.load(f"{folder}-original-plain.pt")]
         if "error" in res:
             failures.append(f"{name}: {res['error']}")
             continue
