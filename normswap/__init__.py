@@ -24,6 +24,7 @@ PUBLIC = {
     "evaluate": "normswap.evaluation", "EvalReport": "normswap.evaluation",
     "export_onnx": "normswap.export.onnx", "export_folder": "normswap.export.folder",
     "ExportReport": "normswap.export.report",
+    "rotate": "normswap.surgery.rotate", "RotationReport": "normswap.surgery.rotate",
     "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
     "NormswapError": "normswap.errors",
 }
