@@ -24,7 +24,7 @@ from normswap.errors import NormswapError, first_line
 from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
 from normswap.models.section import has_config, section, set_section
 from normswap.surgery import verification
-from normswap.surgery.algebra import centre_outputs, named_tensor, output_dim
+from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.orthogonal import METHODS, rotation
 from normswap.surgery.plan import PARAM
 from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
@@ -39,6 +39,7 @@ class RotationReport:
     seed: int
     streams: list[dict] = field(default_factory=list)   # {width, q, norms, writers, readers}
     untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head)
+    added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
     not_preserved: dict[str, str] = field(default_factory=dict)
     verification: dict | None = None
 
@@ -53,6 +54,7 @@ class RotationReport:
         lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
                   f"{len(s['readers'])} readers" for s in self.streams]
         lines += [f"  untied {name} (a tied LM head reads the rotated stream)" for name in self.untied]
+        lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
         lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
         if self.verification:
             lines.append(f"  parity vs before: max relative error {self.verification['max_rel']:.3e} "
@@ -88,6 +90,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     reference = verification.reference(model, found.not_preserved, example_inputs)
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
     report.untied = _untie(model, found)
+    report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
     for i, s in enumerate(found.streams):
         q, what = rotation(s.width, method, seed + i)
         _rotate_stream(model, s, q)
@@ -155,10 +158,24 @@ def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int])
 
 
 @torch.no_grad()
+def _fold_kept_biases(model: nn.Module, s: Stream) -> list[str]:
+    """A bias kept after a norm (its output is also returned) folded into its readers, c <- c + W b, and
+    dropped: the returned stream is rotated anyway (not preserved). The readers given a bias."""
+    added = []
+    for n in s.biased:
+        norm = model.get_submodule(n)
+        b = norm.normswap_bias.detach().double()
+        added += [r for r, of in sorted(s.readers.items()) if of == n and fold_bias(model.get_submodule(r), b)]
+        del norm.normswap_bias   # the output fix adds nothing more (it reads the attribute at each call)
+    return added
+
+
+@torch.no_grad()
 def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
-    done: set[int] = set()
+    done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
     for w in s.writers:
         _rotate_writer(model, w, q, done)
+    done = set()   # a layer both reading a norm and writing the stream gets both edits
     for r, norm in sorted(s.readers.items()):
         layer = model.get_submodule(r)
         if id(layer.weight) in done:
@@ -179,12 +196,14 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     record = section(model)
     if record is None:
         return
-    fixes = {n: spec for n, spec in record.get("output_fixes", {}).items()
-             if not any(w.centre and w.target == n for s in found.streams for w in s.writers)}
+    moved = {w.target for s in found.streams for w in s.writers if w.centre} | \
+        {n for s in found.streams for n in s.biased}   # now in the weights
+    fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
     rotations = record.get("rotations", []) + [{"method": report.method, "seed": report.seed,
                                                 "widths": [s["width"] for s in report.streams],
                                                 "untied": report.untied}]
-    new = {**record, "output_fixes": fixes, "rotations": rotations}
+    new = {**record, "output_fixes": fixes, "rotations": rotations,
+           "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}
     if report.not_preserved:
         new["not_preserved"] = {**record.get("not_preserved", {}), **report.not_preserved}
     set_section(model, new)

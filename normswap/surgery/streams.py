@@ -12,7 +12,8 @@ weight), a norm that did not run or whose input is not a plain sum, a per-head n
 a layer's output), a norm's output read other than by a linear layer (the model output, an attention module,
 an activation), a norm or an opaque value writing the stream, a writer also read unnormalised (a head reading
 the raw stream), a writer no weight edit can rotate (a grouped convolution, a non-constant per-channel
-scale), a bias kept after a writer or a norm, a centred input. A tuple or sub-model output holding the
+scale), a bias kept after a writer, a centred input. A bias the conversion kept after a norm (its output is also
+returned, as CLIP's text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the
 stream (`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Stream:
     norms: list[str] = field(default_factory=list)
     writers: list[Writer] = field(default_factory=list)
     readers: dict[str, str] = field(default_factory=dict)   # linear layer -> the norm it reads
+    biased: list[str] = field(default_factory=list)   # norms whose bias the conversion kept after them
 
 
 @dataclass
@@ -105,9 +107,9 @@ def _readers(model: nn.Module, t: Trace, norm: str) -> list[str]:
         if not user.nested:
             raise NotRotatable(f"{norm}'s output is read by {user}, not by a linear layer that could absorb the "
                                "rotation")
-    if getattr(norm_module := model.get_submodule(norm), "normswap_bias", None) is not None or \
-            getattr(norm_module, "normswap_centre", False):
-        raise NotRotatable(f"{norm} keeps a bias (or a centring) after it, which a rotation does not commute with")
+    if getattr(model.get_submodule(norm), "normswap_centre", False):
+        raise NotRotatable(f"{norm} centres its output (a norm writing the stream): it does not commute with a "
+                           "rotation")
     readers = list(t.readers.get(norm, []))
     for r in readers:
         if not is_linear(model.get_submodule(r)) or OTHER in t.reads.get(r, ()) or t.reads.get(r) != {label}:
@@ -173,6 +175,8 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
         if widths[n] != s.width:
             raise NotRotatable(f"{n} (width {widths[n]}) and {s.norms[0]} (width {s.width}) read one stream")
         s.norms.append(n)
+        if getattr(model.get_submodule(n), "normswap_bias", None) is not None:
+            s.biased.append(n)
         for r in readers[n]:
             held = s.readers.setdefault(r, n)
             if held != n and not _same_gain(model, held, n):

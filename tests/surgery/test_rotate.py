@@ -194,3 +194,78 @@ def test_refuses_bad_arguments_in_one_line():
         rotate(RawReader(), seed=1.5)
     with pytest.raises(NormswapError, match="must be a torch.nn.Module"):
         rotate("gpt2")
+
+
+class AlsoReturnsStates(nn.Module):
+    """A final norm read by a bias-free head and also returned nested ("states.0"): the conversion keeps its
+    bias after it; the rotation folds that bias into the head instead."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.norm, self.mlp = nn.Embedding(11, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.final, self.head = nn.LayerNorm(d), nn.Linear(d, 11, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + self.mlp(self.norm(x))
+        y = self.final(x)
+        return {"logits": self.head(y), "states": (y,)}
+
+
+def test_a_norm_bias_kept_for_a_returned_output_is_folded_into_its_reader():
+    original = _perturbed(AlsoReturnsStates())
+    examples = torch.randint(0, 11, (2, 5))
+    model, _ = _converted(copy.deepcopy(original), examples)
+    assert model.final.normswap_bias is not None   # kept after the norm by the conversion
+    report = rotate(model, example_inputs=examples)
+    assert report.added_biases == ["head"] and not hasattr(model.final, "normswap_bias")
+    assert report.not_preserved == {"states.0": "the residual stream, returned rotated (and centred)"}
+    assert "final" not in model.normswap_section["output_fixes"] and "head" in model.normswap_section["added_biases"]
+    x = torch.randint(0, 11, (3, 9))
+    with torch.no_grad():
+        ref, out = original(x)["logits"], model(x)["logits"]
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+class Scale(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return self.gamma * x
+
+
+class Blocks(nn.Module):
+    """RMSNorm blocks (no conversion needed): `scaled` puts a per-channel LayerScale on the MLP's output,
+    `per_head` an RMSNorm over each head of a projection that writes the stream."""
+
+    def __init__(self, scaled: bool = False, per_head: bool = False, d: int = 16):
+        super().__init__()
+        self.emb, self.norm, self.mlp = nn.Embedding(11, d), nn.RMSNorm(d), nn.Linear(d, d)
+        self.scale = Scale(d) if scaled else nn.Identity()
+        self.head_norm = nn.RMSNorm(4) if per_head else None
+        self.final, self.head = nn.RMSNorm(d), nn.Linear(d, 11)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        h = self.mlp(self.norm(x))
+        if self.head_norm is not None:
+            h = self.head_norm(h.unflatten(-1, (4, 4))).flatten(-2)
+        x = x + self.scale(h)
+        return self.head(self.final(x))
+
+
+def test_rms_norm_blocks_rotate_and_refusals_name_a_per_channel_scale_and_a_per_head_norm():
+    examples = torch.randint(0, 11, (2, 5))
+    plain = Blocks().eval()
+    x = torch.randint(0, 11, (3, 7))
+    emb = plain.emb.weight.detach().clone()
+    with torch.no_grad():
+        ref = plain(x)
+        assert rotate(plain, example_inputs=examples).verification["max_rel"] < 1e-4
+        assert torch.allclose(plain(x), ref, atol=1e-5) and (plain.emb.weight - emb).norm() > 0.3 * emb.norm()
+    with pytest.raises(NotRotatable, match=r"scale scales the stream per channel"):
+        rotate(Blocks(scaled=True), example_inputs=examples)
+    with pytest.raises(NotRotatable, match=r"head_norm normalises groups of channels of mlp \(a per-head norm\)"):
+        rotate(Blocks(per_head=True), example_inputs=examples)
