@@ -89,6 +89,9 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     found = find_streams(model, t, norms)
     reference = verification.reference(model, found.not_preserved, example_inputs)
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
+    if hasattr(getattr(model, "config", None), "output_hidden_states"):
+        report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
+                                                 "returned rotated (and centred)")
     report.untied = _untie(model, found)
     report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
     for i, s in enumerate(found.streams):

@@ -41,6 +41,7 @@ def test_rotated_family_keeps_its_outputs_in_fp64(name):
         assert (new - old).norm() > 0.3 * old.norm(), name
     assert all(bool((m.weight == 1).all()) for m in model.modules() if isinstance(m, normswap.RMSNorm))
     assert [s["q"] for s in report.streams] == ["randomised Hadamard"]
+    assert "rotated" in model.config.normswap["not_preserved"]["hidden_states"]   # said on every load
     tied = before.get_output_embeddings().weight is before.get_input_embeddings().weight
     head_reads_stream = "lm_head" in stream["readers"]   # OPT with a projection: its head reads project_out
     assert report.untied == (["lm_head.weight"] if tied and head_reads_stream else [])
