@@ -10,7 +10,8 @@ turned into nn.Linear first (torchao quantizes nn.Linear). Also, per layer, the 
 and kurtosis over channels (averaged over tokens), and the same for the input of each block's first linear
 layer (what W8A8 quantizes per token), before and after rotation.
 
-    python benchmarks/rotation.py [--windows 64] [--small-windows 12] [--no-small] [--ort] [--markdown FILE]
+    python benchmarks/rotation.py [--parts demo,small,outlier] [--windows 64] [--small-windows 12] [--ort]
+                                  [--markdown FILE]
 """
 from __future__ import annotations
 
@@ -131,9 +132,43 @@ def variants(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def measure(title: str, model: nn.Module, ids: torch.Tensor, use_ort: bool) -> list[str]:
+@torch.no_grad()
+def householder_outlier(conv: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """A copy of the converted `conv` rotated (exactly, through `normswap.rotate`) by the Householder reflection
+    that maps the stream's top principal direction onto channel 0: the same function, with one outlier
+    channel carrying the stream's largest shared component, as trained LLMs' massive activations do."""
+    from normswap.surgery import rotate as rotate_module
+    hs = conv(input_ids=ids, output_hidden_states=True).hidden_states[:-1]
+    x = torch.cat([h.flatten(0, 1) for h in hs]).double()
+    v = torch.linalg.svd(x, full_matrices=False).Vh[0]
+    e = torch.zeros_like(v)
+    e[0] = 1.0
+    u = v - e if v[0] < 0.99 else v + e
+    h = torch.eye(len(v), dtype=torch.float64) - 2 * torch.outer(u, u) / u.dot(u)   # H e0 = ±v
+    out, real = copy.deepcopy(conv), rotate_module.rotation
+    rotate_module.rotation = lambda n, method, seed: (h, "Householder onto channel 0")
+    try:
+        normswap.rotate(out)
+    finally:
+        rotate_module.rotation = real
+    return out
+
+
+def outlier_variants(model: nn.Module, ids: torch.Tensor) -> dict[str, nn.Module]:
+    conv = copy.deepcopy(model)
+    normswap.convert(conv, method="exact")
+    spiked = householder_outlier(conv, ids[:8])
+    out = {"original (LayerNorm)": model, "exact RMSNorm, outlier channel made": spiked}
+    for method in ("hadamard", "random"):
+        rotated = copy.deepcopy(spiked)
+        report = normswap.rotate(rotated, method=method, seed=0)
+        out[f"outlier model rotated, {report.streams[0]['q']}"] = rotated
+    return out
+
+
+def measure(title: str, model: nn.Module, ids: torch.Tensor, use_ort: bool, outlier: bool = False) -> list[str]:
     t0 = time.time()
-    models = variants(model.eval())
+    models = outlier_variants(model.eval(), ids) if outlier else variants(model.eval())
     ref = log_probs(model, ids)
     schemes = ["fp32", "w8a8", "int4wo"] + (["ort-int8"] if use_ort else [])
     lines = [f"### {title}: {ids.numel()} held-out tokens ({ids.shape[0]} windows of {ids.shape[1]})", "",
@@ -164,7 +199,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--small-windows", type=int, default=12)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--no-small", action="store_true")
+    ap.add_argument("--parts", default="demo,small", help="Comma-separated: demo, small, outlier (the demo with "
+                    "one outlier channel made first, the same function).")
     ap.add_argument("--ort", action="store_true")
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
@@ -173,8 +209,13 @@ def main() -> None:
     ids = windows(tok, a.windows, a.seq)
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}", ""]
-    lines += measure("normswap-demo (GPT-2 shape, 4 layers, width 256, trained)", model, ids, a.ort)
-    if not a.no_small:
+    parts = a.parts.split(",")
+    if "demo" in parts:
+        lines += measure("normswap-demo (GPT-2 shape, 4 layers, width 256, trained)", model, ids, a.ort)
+    if "outlier" in parts:
+        lines += measure("normswap-demo with one outlier channel made by an exact Householder rotation", model, ids,
+                         a.ort, outlier=True)
+    if "small" in parts:
         small = tf.GPT2LMHeadModel(tf.GPT2Config(n_positions=a.seq)).eval()   # 124M, random init
         lines += measure("GPT-2-small-sized, random init (width 768: 64 x Paley 12)", small,
                          windows(tok, a.small_windows, a.seq), a.ort)
