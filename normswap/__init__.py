@@ -15,6 +15,7 @@ PUBLIC = {
     "evaluate_checkpoint": "normswap.pipeline.evaluate", "EvaluateOptions": "normswap.pipeline.options",
     "export_checkpoint": "normswap.pipeline.export", "ExportOptions": "normswap.pipeline.options",
     "inspect_checkpoint": "normswap.pipeline.inspect", "InspectOptions": "normswap.pipeline.options",
+    "rotate_checkpoint": "normswap.pipeline.rotate", "RotateOptions": "normswap.pipeline.options",
     "generate_checkpoint": "normswap.pipeline.generate", "GenerateOptions": "normswap.pipeline.options",
     "LoadOptions": "normswap.models.load", "load_model": "normswap.models.load",
     "save_pretrained": "normswap.models.save",
@@ -24,6 +25,7 @@ PUBLIC = {
     "evaluate": "normswap.evaluation", "EvalReport": "normswap.evaluation",
     "export_onnx": "normswap.export.onnx", "export_folder": "normswap.export.folder",
     "ExportReport": "normswap.export.report",
+    "rotate": "normswap.surgery.rotate", "RotationReport": "normswap.surgery.rotate",
     "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
     "NormswapError": "normswap.errors",
 }

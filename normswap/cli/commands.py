@@ -4,4 +4,5 @@ COMMANDS = {
     "convert": "normswap.cli.convert:convert", "inspect": "normswap.cli.convert:inspect",
     "heal": "normswap.cli.heal:heal", "eval": "normswap.cli.heal:eval_cmd", "plot": "normswap.cli.heal:plot_cmd",
     "export": "normswap.cli.export:export", "generate": "normswap.cli.generate:generate",
+    "rotate": "normswap.cli.rotate:rotate",
 }

@@ -11,6 +11,8 @@ PUBLIC = {
     "inspect_checkpoint": "normswap.pipeline.inspect", "InspectResult": "normswap.pipeline.inspect",
     "HealCheckpointOptions": "normswap.pipeline.options", "EvaluateOptions": "normswap.pipeline.options",
     "ExportOptions": "normswap.pipeline.options", "InspectOptions": "normswap.pipeline.options",
+    "rotate_checkpoint": "normswap.pipeline.rotate", "RotateOptions": "normswap.pipeline.options",
+    "RotateResult": "normswap.pipeline.rotate",
     "generate_checkpoint": "normswap.pipeline.generate", "GenerateOptions": "normswap.pipeline.options",
 }
 __all__ = list(PUBLIC)

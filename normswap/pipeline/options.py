@@ -12,6 +12,7 @@ from normswap.healing.options import HealOptions
 from normswap.io import safetensors
 from normswap.models.load import LoadOptions
 from normswap.surgery.convert import METHODS
+from normswap.surgery.orthogonal import METHODS as ROTATIONS
 
 DEVICE = dict(flag="--device", show_default=True, help="auto (CUDA when available), cpu, cuda, cuda:N.")
 OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote it (or it is empty).",
@@ -48,6 +49,26 @@ class ConvertOptions:
     # True: replace OUT if normswap wrote it; "any": whatever it is
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
     show_progress: bool = False           # progress bars on stderr
+
+
+@dataclass(frozen=True)
+class RotateOptions:
+    """Everything `rotate_checkpoint` does besides naming SRC and OUT (`normswap rotate`'s options)."""
+    method: str = field(default="hadamard", metadata=dict(   # "hadamard" | "random"
+        flag="--method", choices=ROTATIONS, show_default=True,
+        help="hadamard: a randomised Hadamard matrix (random orthogonal where the width has none); random: a "
+             "random orthogonal matrix."))
+    seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True,
+                                               help="Draws the Hadamard signs or the random matrix."))
+    load: LoadOptions = LoadOptions()
+    device: str = field(default="auto", metadata=DEVICE)   # where the model is rotated and verified
+    example_inputs: object = field(default=None, metadata=dict(
+        flag="--inputs", type="path", metavar="FILE",
+        help="Example inputs to trace and verify on, besides normswap's own (safetensors or torch.save file)."))
+    max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
+        flag="--max-shard-size", default="50GB", show_default=True,
+        help="Split the weights into shards of at most this size (e.g. 5GB) with an index."))
+    overwrite: bool | str = field(default=False, metadata=OVERWRITE)
 
 
 @dataclass(frozen=True)

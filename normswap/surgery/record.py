@@ -50,7 +50,7 @@ OTHER = "other"   # in Trace.reads: a layer read something other than one norm's
 
 
 class Recorder(TorchFunctionMode):
-    def __init__(self, model: nn.Module, norms: set[str]):
+    def __init__(self, model: nn.Module, norms: set[str], rotating: bool = False):
         super().__init__()
         self.trace = Trace()
         self.flows = TensorMap()   # tensor -> Flow
@@ -63,7 +63,7 @@ class Recorder(TorchFunctionMode):
         self.params = {**{id(model.get_buffer(n)): n for n in buffers}, **{i: lb.name for i, lb in self.labels.items()}}
         self.rebuilt = {i: n for i, n in self.params.items() if i not in self.labels}   # non-persistent buffers
         self.owner = {id(p): n.rpartition(".")[0] for n, p in model.named_parameters()}
-        self.norms, self.model = norms, model
+        self.norms, self.model, self.rotating = norms, model, rotating   # rotating: every RMSNorm reads as a norm
         self.given: set[int] = set()     # ids of the floating tensors the model itself was called with
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
@@ -317,7 +317,7 @@ class Recorder(TorchFunctionMode):
         # an RMSNorm reading rows that are not centred reads them like any layer (centring changes its output);
         # one reading centred rows (converted by an earlier exact pass) is a norm the stream feeds
         reader = False
-        if name in self.norms and x is not None and norm_kind(module) == "rmsnorm":
+        if name in self.norms and x is not None and norm_kind(module) == "rmsnorm" and not self.rotating:
             self.inside = name   # rows_centred's own ops are not the model's
             reader = not rows_centred(x, next(module.parameters(), x).dtype)
             self.inside = None

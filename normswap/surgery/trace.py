@@ -44,13 +44,15 @@ def hooked(module: nn.Module, name: str, norms: set[str]) -> bool:
 
 
 @torch.no_grad()
-def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
+def trace(model: nn.Module, inputs: list[dict], norms: set[str], rotating: bool = False) -> Trace:
     """Run `model(**x)` for every x in `inputs`, in eval mode, and record the merged dataflow; `norms` are
-    the norm modules. If some parameters never ran, one more forward in training mode (RNG state and
-    buffers restored after it) shows the paths only training takes (SpecAugment's masked embedding): what
-    it shows of those parameters is added, so that they are centred too rather than left unknown (nothing
-    else from it: training-only operations do not make an exact eval model inexact)."""
-    active = [Recorder(model, norms)]
+    the norm modules (`rotating`: every RMSNorm is one, centred rows or not; else an RMSNorm reading rows that
+    are not centred reads like any layer, as centring changes its output). If some parameters never ran, one
+    more forward in training mode (RNG state and buffers restored after it) shows the paths only training
+    takes (SpecAugment's masked embedding): what it shows of those parameters is added, so that they are
+    centred too rather than left unknown (nothing else from it: training-only operations do not make an exact
+    eval model inexact)."""
+    active = [Recorder(model, norms, rotating)]
     handles = []
     for name, module in model.named_modules():
         if hooked(module, name, norms):
@@ -69,7 +71,7 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str]) -> Trace:
             rec.finish()
             unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
             if inputs and unrun:
-                active[0] = Recorder(model, norms)
+                active[0] = Recorder(model, norms, rotating)
                 _training_forward(active[0], model, inputs[0])
                 active[0].finish()
                 adopt(rec.trace, active[0].trace, unrun)

@@ -1,0 +1,26 @@
+"""`normswap rotate SRC -o OUT` (`rotate_checkpoint`)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from normswap.cli.options import Shared, shared
+from normswap.pipeline.options import RotateOptions
+from normswap.pipeline.rotate import rotate_checkpoint
+
+
+@click.command()
+@click.argument("src")
+@click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
+@shared(RotateOptions)
+def rotate(src, out, opts: Shared, options: RotateOptions):
+    """Rotate the residual streams of SRC, a model converted exactly, for quantization; save it to OUT.
+
+    Outputs are kept (verified); the weights' outliers spread over the channels (SliceGPT, QuaRot)."""
+    result = rotate_checkpoint(src, out, options)
+    if opts.as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    click.echo(result.report.to_table())
+    click.echo(f"saved to {out}")

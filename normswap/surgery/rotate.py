@@ -1,0 +1,213 @@
+"""`rotate`: rotate the residual streams of an exactly converted model by an orthogonal Q, keeping its outputs
+(SliceGPT's and QuaRot's computational invariance), so that activation outliers spread over the channels and
+the model quantizes better.
+
+With h the stream (a row) and h' = hQ: each norm's gain g is folded into the linear layers reading it and set
+to 1; every writer's output is multiplied by Q (Linear W <- QᵀW, b <- Qᵀb; GPT-2's Conv1D, embeddings and
+parameters added to the stream along their channels); every reader's input by Q (W <- W·diag(g)·Q). Then
+RMSNorm(h') = RMSNorm(h)Q and every reader computes what it did. What the streams are, and what is refused,
+comes from the trace the exact plan uses (`streams`). A tied LM head reads the final norm while its embedding
+writes the stream: it is untied (the report lists it; the folder then stores both). A tied embedding centred
+at lookup by the conversion's output fix gets the centring moved into its (untied) weights. Arithmetic in
+float64, stored in the model's dtype; the rotated model is verified against its outputs before the edits, on
+the sample (and example) inputs, as `convert` verifies; a failure leaves the model edited (discard it).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError, first_line
+from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
+from normswap.models.section import has_config, section, set_section
+from normswap.surgery import verification
+from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
+from normswap.surgery.orthogonal import METHODS, rotation
+from normswap.surgery.plan import PARAM
+from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
+from normswap.surgery.trace import trace
+
+__all__ = ["NotRotatable", "RotationReport", "rotate"]
+
+
+@dataclass
+class RotationReport:
+    method: str
+    seed: int
+    streams: list[dict] = field(default_factory=list)   # {width, q, norms, writers, readers}
+    untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head)
+    added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
+    not_preserved: dict[str, str] = field(default_factory=dict)
+    verification: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def to_table(self) -> str:
+        lines = [f"rotated {len(self.streams)} stream(s) ({self.method}, seed {self.seed}):"]
+        lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
+                  f"{len(s['readers'])} readers" for s in self.streams]
+        lines += [f"  untied {name} (a tied LM head reads the rotated stream)" for name in self.untied]
+        lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
+        lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
+        if self.verification:
+            lines.append(f"  parity vs before: max relative error {self.verification['max_rel']:.3e} "
+                         f"(tolerance {self.verification['tolerance']:g})")
+        return "\n".join(lines)
+
+
+def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None) -> RotationReport:
+    """Rotate every residual stream of an exactly converted `model` in place (see the module docstring).
+
+    method: "hadamard" (a randomised Hadamard matrix, or a random orthogonal one where the width has no known
+    Hadamard matrix) or "random" (a random orthogonal matrix); `seed` draws the signs or the matrix (stream i
+    uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). Refuses,
+    naming the part, what cannot be rotated exactly (`streams`), before any edit.
+    """
+    if not isinstance(model, nn.Module):
+        raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    if method not in METHODS:
+        raise NormswapError(f"unknown rotation method '{method}': choose hadamard or random")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise NormswapError(f"`seed` must be an int, not {type(seed).__name__}")
+    check_examples(example_inputs)
+    norms = check_norms(model)
+    try:
+        inputs = model_inputs(model, example_inputs)
+    except NoInputs as e:
+        raise NotRotatable(f"no sample input to trace it ({first_line(e, strip=True)})") from None
+    try:
+        t = trace(model, inputs, set(norms), rotating=True)
+    except Exception as e:   # the forward failed: say so instead of a traceback
+        raise NotRotatable(f"tracing failed: {type(e).__name__}: {first_line(e, strip=True)}") from None
+    found = find_streams(model, t, norms)
+    reference = verification.reference(model, found.not_preserved, example_inputs)
+    report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
+    if hasattr(getattr(model, "config", None), "output_hidden_states"):
+        report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
+                                                 "returned rotated (and centred)")
+    report.untied = _untie(model, found)
+    report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
+    for i, s in enumerate(found.streams):
+        q, what = rotation(s.width, method, seed + i)
+        _rotate_stream(model, s, q)
+        report.streams.append({"width": s.width, "q": what, "norms": s.norms,
+                               "writers": [w.target for w in s.writers], "readers": sorted(s.readers)})
+    _record(model, report, found)
+    report.verification = _verify(reference, model)
+    return report
+
+
+def _verify(reference, model: nn.Module) -> dict:
+    try:
+        return verification.verify(reference, model)
+    except verification.VerificationFailed as e:
+        raise verification.VerificationFailed(str(e).replace("exact conversion", "rotation", 1) +
+                                              "; the model in memory is rotated: discard it") from None
+
+
+def _weights(model: nn.Module, name: str) -> list[nn.Parameter]:
+    layer = model.get_submodule(name)
+    return [p for p in (getattr(layer, "weight", None), getattr(layer, "bias", None)) if p is not None]
+
+
+def _untie(model: nn.Module, found: Streams) -> list[str]:
+    """Give each reader's weight its own copy where another module shares it (a tied LM head); the names."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    untied = []
+    for s in found.streams:
+        for r in sorted(s.readers):
+            layer = model.get_submodule(r)
+            if counts.get(id(layer.weight), 1) > 1:
+                layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=layer.weight.requires_grad)
+                untied.append(f"{r}.weight")
+    if untied and has_config(model):
+        for config in (model.config, getattr(model.config, "get_text_config", lambda: None)()):
+            if getattr(config, "tie_word_embeddings", False):
+                config.tie_word_embeddings = False
+    return untied
+
+
+def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
+    """t with its dim `dim` multiplied by q (x -> xQ along that dim), in float64."""
+    return (t.double().movedim(dim, -1) @ q).movedim(-1, dim)
+
+
+@torch.no_grad()
+def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int]) -> None:
+    if w.target.startswith(PARAM):
+        p = named_tensor(model, w.target[len(PARAM):])
+        if id(p) not in done:
+            done.add(id(p))
+            p.copy_(_times_q(p, p.dim() + w.axis if w.axis < 0 else w.axis, q.to(p.device)).to(p.dtype))
+        return
+    layer = model.get_submodule(w.target)
+    if w.centre:   # the conversion's output fix (a tied embedding centred at lookup), moved into the weights
+        centre_outputs(model, w.target, 0)
+        layer.normswap_centre = False
+    dim = output_dim(layer)
+    for p in _weights(model, w.target):
+        if id(p) not in done:
+            done.add(id(p))
+            p.copy_(_times_q(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
+
+
+@torch.no_grad()
+def _fold_kept_biases(model: nn.Module, s: Stream) -> list[str]:
+    """A bias kept after a norm (its output is also returned) folded into its readers, c <- c + W b, and
+    dropped: the returned stream is rotated anyway (not preserved). The readers given a bias."""
+    added = []
+    for n in s.biased:
+        norm = model.get_submodule(n)
+        b = norm.normswap_bias.detach().double()
+        added += [r for r, of in sorted(s.readers.items()) if of == n and fold_bias(model.get_submodule(r), b)]
+        del norm.normswap_bias   # the output fix adds nothing more (it reads the attribute at each call)
+    return added
+
+
+@torch.no_grad()
+def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
+    done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
+    for w in s.writers:
+        _rotate_writer(model, w, q, done)
+    done = set()   # a layer both reading a norm and writing the stream gets both edits
+    for r, norm in sorted(s.readers.items()):
+        layer = model.get_submodule(r)
+        if id(layer.weight) in done:
+            continue
+        done.add(id(layer.weight))
+        g = gain(model.get_submodule(norm), s.width).to(layer.weight.device)
+        dim = 1 - output_dim(layer)   # the input dim: Linear (out, in), Conv1D (in, out)
+        w = layer.weight.double().movedim(dim, -1) * g
+        layer.weight.copy_((w @ q.to(w.device)).movedim(-1, dim).to(layer.weight.dtype))
+    for n in s.norms:
+        weight = getattr(model.get_submodule(n), "weight", None)
+        if weight is not None:
+            weight.fill_(1.0)
+
+
+def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
+    """The section says the model is rotated (and no longer centres what the rotation moved into weights)."""
+    record = section(model)
+    if record is None:
+        return
+    moved = {w.target for s in found.streams for w in s.writers if w.centre} | \
+        {n for s in found.streams for n in s.biased}   # now in the weights
+    fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
+    rotations = record.get("rotations", []) + [{"method": report.method, "seed": report.seed,
+                                                "widths": [s["width"] for s in report.streams],
+                                                "untied": report.untied}]
+    new = {**record, "output_fixes": fixes, "rotations": rotations,
+           "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}
+    if report.not_preserved:
+        new["not_preserved"] = {**record.get("not_preserved", {}), **report.not_preserved}
+    set_section(model, new)
+

@@ -1,0 +1,209 @@
+"""The residual streams of an exactly converted model, found by the trace the exact plan uses, for a rotation.
+
+A model whose norms are all RMSNorms is invariant under an orthogonal Q of each stream they read: RMSNorm(xQ)
+= RMSNorm(x)Q (‖xQ‖ = ‖x‖), once a norm's gain g is folded into the linear layers reading it. So a stream
+can be rotated when everything that writes it is a layer (or a parameter) whose output can be multiplied by Q,
+and everything that reads it is a norm whose output only linear layers read (`Stream`). A norm's sources are
+what its input is a sum of (`trace`); norms that share a source, or a reader, read one stream.
+
+Refused, naming the part (`Refusal`): a LayerNorm left (convert exactly first), a pRMSNorm (its RMS of a few
+features does not commute with Q), a norm another library defines (its gain is not known to be a plain
+weight), a norm that did not run or whose input is not a plain sum, a per-head norm (it normalises groups of
+a layer's output), a norm's output read other than by a linear layer (the model output, an attention module,
+an activation), a norm or an opaque value writing the stream, a writer also read unnormalised (a head reading
+the raw stream), a writer no weight edit can rotate (a grouped convolution, a non-constant per-channel
+scale), a bias kept after a writer, a centred input. A bias the conversion kept after a norm (its output is also
+returned, as CLIP's text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the
+stream (`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from normswap.errors import NormswapError
+from normswap.models.introspect import is_linear, norm_kind
+from normswap.norms import PartialRMSNorm, RMSNorm
+from normswap.surgery.algebra import scale_parameter
+from normswap.surgery.labels import Label
+from normswap.surgery.plan import PARAM, centrable
+from normswap.surgery.record import OTHER, Trace
+
+
+class NotRotatable(NormswapError):
+    """The model cannot be rotated exactly; the message names the part."""
+
+
+@dataclass
+class Writer:
+    """A stream writer: `target` a module, or PARAM + a parameter's name whose dim `axis` holds the channels;
+    `centre`: its output is centred by an output fix, which the rotation moves into its weights."""
+    target: str
+    axis: int = -1
+    centre: bool = False
+
+
+@dataclass
+class Stream:
+    width: int
+    norms: list[str] = field(default_factory=list)
+    writers: list[Writer] = field(default_factory=list)
+    readers: dict[str, str] = field(default_factory=dict)   # linear layer -> the norm it reads
+    biased: list[str] = field(default_factory=list)   # norms whose bias the conversion kept after them
+
+
+@dataclass
+class Streams:
+    streams: list[Stream]
+    not_preserved: dict[str, str] = field(default_factory=dict)   # returned output -> why
+
+
+def check_norms(model: nn.Module) -> list[str]:
+    """The names of the model's norms, all normswap RMSNorms (or nn.RMSNorm); NotRotatable naming the first
+    that is not one."""
+    names = []
+    for name, m in model.named_modules():
+        kind = norm_kind(m)
+        if isinstance(m, PartialRMSNorm):
+            raise NotRotatable(f"{name} is a pRMSNorm: its RMS over a few features does not commute with a "
+                               "rotation of the stream (convert with --to rmsnorm)")
+        if kind == "layernorm":
+            raise NotRotatable(f"{name} ({type(m).__name__}) is a LayerNorm: convert the model exactly to RMSNorm "
+                               "first (`normswap convert --method exact`)")
+        if kind == "rmsnorm":
+            if not isinstance(m, (RMSNorm, nn.RMSNorm)):
+                raise NotRotatable(f"{name} ({type(m).__name__}) is an RMSNorm normswap does not know the gain of: "
+                                   "only normswap's RMSNorm and torch.nn.RMSNorm are folded")
+            names.append(name)
+    if not names:
+        raise NotRotatable("the model has no RMSNorm: convert it exactly first (`normswap convert --method exact`)")
+    return names
+
+
+def _sources(t: Trace, norm: str, width: int) -> set[Label]:
+    calls = t.calls.get(norm)
+    if not calls:
+        raise NotRotatable(f"{norm} did not run on the sample inputs: pass inputs that run it")
+    found: set[Label] = set()
+    for call in calls:
+        if call.opaque:
+            raise NotRotatable(f"the input of {norm} is not a sum of layer outputs ({call.opaque})")
+        for label, ranges in call.sources.items():
+            if ranges != {(0, width)} or t.widths.get(label, width) != width:
+                raise NotRotatable(f"{norm} normalises groups of channels of {label.ref} (a per-head norm): only a "
+                                   "whole residual stream can be rotated")
+            found.add(label)
+    return found
+
+
+def _readers(model: nn.Module, t: Trace, norm: str) -> list[str]:
+    label = Label("norm", norm)
+    if t.fed_norms.get(label):
+        raise NotRotatable(f"{norm}'s output is written into the stream read by {sorted(t.fed_norms[label])[0]}: a "
+                           "norm as a stream writer does not commute with a rotation")
+    for user in sorted(t.uses.get(label, {})):
+        if not user.nested:
+            raise NotRotatable(f"{norm}'s output is read by {user}, not by a linear layer that could absorb the "
+                               "rotation")
+    if getattr(model.get_submodule(norm), "normswap_centre", False):
+        raise NotRotatable(f"{norm} centres its output (a norm writing the stream): it does not commute with a "
+                           "rotation")
+    readers = list(t.readers.get(norm, []))
+    for r in readers:
+        if not is_linear(model.get_submodule(r)) or OTHER in t.reads.get(r, ()) or t.reads.get(r) != {label}:
+            raise NotRotatable(f"{r} reads {norm}'s output together with something else: it cannot absorb the "
+                               "rotation of one stream")
+    return readers
+
+
+def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
+    """How a source of a stream is rotated; NotRotatable naming it where it cannot be."""
+    users = [u for u in sorted(t.uses.get(label, {})) if not u.nested]
+    if users:
+        raise NotRotatable(f"{users[0]} reads the unnormalised stream (written by {label.ref}): only a stream read "
+                           "through norms and linear layers can be rotated")
+    if label.kind == "norm":
+        raise NotRotatable(f"{label.name} is a norm whose output is written into the stream: it does not commute "
+                           "with a rotation")
+    if label.kind == "entry":
+        raise NotRotatable(f"an opaque value enters the stream at {label.name} (centred at its input): no weight "
+                           "edit rotates it")
+    if label in t.scales:   # a per-channel scale (folded into its layer by the conversion): constant, or refused
+        target = PARAM + label.ref if label.kind == "scale" else label.name
+        lam = scale_parameter(model, target).detach()
+        inner = {lb for f in t.scales[label] for lb in f.labels}
+        if len(inner) != 1 or not bool((lam == lam.flatten()[0]).all()):
+            raise NotRotatable(f"{label.ref} scales the stream per channel: a rotation does not commute with it "
+                               "(fold it first: convert exactly)")
+        return _writer(model, t, next(iter(inner)))
+    if label.kind == "param":
+        return Writer(PARAM + label.name, -1 if label.axis is None else label.axis)
+    module = model.get_submodule(label.name)
+    if label.kind != "layer" or centrable(module) is not None:
+        raise NotRotatable(f"{label.ref} ({type(module).__name__}) writes the stream and no weight edit rotates its "
+                           "output")
+    if getattr(module, "normswap_bias", None) is not None or getattr(module, "normswap_centre_input", False):
+        raise NotRotatable(f"{label.name} has a bias kept after it (or a centred input): move it into weights first")
+    centre = getattr(module, "normswap_centre", False)
+    if centre and not isinstance(module, (nn.Embedding, nn.Linear)) and not is_linear(module):
+        raise NotRotatable(f"{label.name} ({type(module).__name__}) is centred by an output fix that cannot be "
+                           "moved into its weights")
+    return Writer(label.name, centre=bool(centre))
+
+
+def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
+    """The model's streams (see the module docstring) from the trace `t` of the converted model."""
+    parent = {n: n for n in norms}
+
+    def root(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+    widths = {n: _width(model.get_submodule(n), n) for n in norms}
+    sources = {n: _sources(t, n, widths[n]) for n in norms}
+    readers = {n: _readers(model, t, n) for n in norms}
+    first: dict[str, str] = {}   # a source's or a reader's key -> the first norm seen with it
+    for n in norms:
+        for key in [f"s:{lb}" for lb in sources[n]] + [f"r:{r}" for r in readers[n]]:
+            parent[root(n)] = root(first.setdefault(key, n))
+    groups: dict[str, Stream] = {}
+    for n in norms:
+        s = groups.setdefault(root(n), Stream(widths[n]))
+        if widths[n] != s.width:
+            raise NotRotatable(f"{n} (width {widths[n]}) and {s.norms[0]} (width {s.width}) read one stream")
+        s.norms.append(n)
+        if getattr(model.get_submodule(n), "normswap_bias", None) is not None:
+            s.biased.append(n)
+        for r in readers[n]:
+            held = s.readers.setdefault(r, n)
+            if held != n and not _same_gain(model, held, n):
+                raise NotRotatable(f"{r} reads both {held} and {n}, whose gains differ: one weight cannot absorb both")
+    for s in groups.values():
+        labels = sorted({lb for n in s.norms for lb in sources[n]})
+        s.writers = [_writer(model, t, lb) for lb in labels]
+    not_kept = {u.name: "the residual stream, returned rotated (and centred)"
+                for s in groups.values() for n in s.norms
+                for lb in [*sources[n], Label("norm", n)] for u in t.uses.get(lb, {}) if u.nested}
+    return Streams(list(groups.values()), dict(sorted(not_kept.items())))
+
+
+def _width(norm: nn.Module, name: str) -> int:
+    shape = getattr(norm, "normalized_shape", None)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape or ())
+    if len(shape) != 1:
+        raise NotRotatable(f"{name} normalises over more than the last dim: only a stream of vectors is rotated")
+    return int(shape[0])
+
+
+def gain(norm: nn.Module, width: int) -> torch.Tensor:
+    """The norm's gain (ones where it has none), in float64."""
+    w = getattr(norm, "weight", None)
+    return torch.ones(width, dtype=torch.float64) if w is None else w.detach().double().cpu()
+
+
+def _same_gain(model: nn.Module, a: str, b: str) -> bool:
+    ga, gb = (getattr(model.get_submodule(n), "weight", None) for n in (a, b))
+    return (ga is None and gb is None) or (ga is not None and gb is not None and torch.equal(ga, gb))

@@ -1,0 +1,64 @@
+"""`normswap rotate`: a rotated folder reloads in normswap and in plain transformers with the original's
+outputs; every bad input is one line and a non-zero exit, and nothing on disk is lost."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+import normswap
+from normswap.parity import compare
+from helpers.cli import one_error_line, run, snapshot
+from helpers.exact_models import build, padded_batches
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(the original model, its folder, the folder of its exact conversion)."""
+    root = tmp_path_factory.mktemp("rotate")
+    original = build("gpt2")
+    original.save_pretrained(root / "src")
+    normswap.convert_checkpoint(str(root / "src"), root / "conv",
+                                normswap.ConvertOptions(method="exact"))
+    return original, root / "src", root / "conv"
+
+
+def test_rotated_folder_reloads_with_the_originals_outputs(folders, tmp_path):
+    original, _, conv = folders
+    result = run("rotate", conv, "-o", tmp_path / "r", "--seed", 7, "--method", "random", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])["report"]
+    assert report["seed"] == 7 and report["untied"] == ["lm_head.weight"]
+    assert report["streams"][0]["q"] == "random orthogonal" and report["verification"]["max_rel"] < 1e-4
+    mine = normswap.from_pretrained(tmp_path / "r")
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "r", trust_remote_code=True).eval()
+    for loaded in (mine, plain):
+        assert compare(original, loaded, padded_batches()).max_rel < 1e-5
+        assert loaded.lm_head.weight is not loaded.transformer.wte.weight   # untied on disk too
+    # really rotated: the stored embedding is not the converted one
+    converted = normswap.from_pretrained(conv)
+    assert not torch.allclose(converted.transformer.wte.weight, mine.transformer.wte.weight, atol=1e-3)
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]["rotations"][0]["seed"] == 7
+
+
+def test_an_unconverted_source_is_one_line_and_writes_nothing(folders, tmp_path):
+    _, src, _ = folders
+    line = one_error_line(run("rotate", src, "-o", tmp_path / "r"))
+    assert "is a LayerNorm: convert the model exactly to RMSNorm first" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_inputs_are_one_line_and_nothing_is_lost(folders, tmp_path):
+    _, _, conv = folders
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "mine.txt").write_text("mine")
+    before = snapshot(tmp_path / "keep")
+    assert "exists" in one_error_line(run("rotate", conv, "-o", tmp_path / "keep"))
+    assert snapshot(tmp_path / "keep") == before
+    assert "'givens' is not one of" in one_error_line(run("rotate", conv, "-o", tmp_path / "x", "--method",
+                                                          "givens"), code=2)
+    assert "no such folder" in one_error_line(run("rotate", tmp_path / "nope", "-o", tmp_path / "x"))
+    assert "--seed" in one_error_line(run("rotate", conv, "-o", tmp_path / "x", "--seed", "two"), code=2)
+    assert not (tmp_path / "x").exists()

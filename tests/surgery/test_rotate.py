@@ -1,0 +1,272 @@
+"""Rotation of an exactly converted model's residual streams: outputs kept, every part rotated, refusals named."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import normswap
+from normswap.errors import NormswapError
+from normswap.parity import compare
+from normswap.surgery.rotate import NotRotatable, rotate
+from helpers.exact_models import build, padded_batches
+from helpers.user_models import gpt
+
+ROTATABLE = ["codegen", "falcon-new", "falcon-parallel", "falcon-sequential-alibi", "gpt2", "gpt_neo",
+             "gpt_neox-parallel", "gpt_neox-sequential", "gptj", "opt", "opt-project", "phi"]
+
+
+def _converted(model: nn.Module, examples=None) -> tuple[nn.Module, nn.Module]:
+    """(the model converted exactly, a copy of it before rotation)."""
+    normswap.convert(model, method="exact", example_inputs=examples)
+    return model, copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("name", ROTATABLE)
+def test_rotated_family_keeps_its_outputs_in_fp64(name):
+    original = build(name).double()
+    model, before = _converted(copy.deepcopy(original))
+    report = rotate(model, method="hadamard", seed=3)
+    assert report.verification["max_rel"] <= 1e-4
+    # normswap's RMSNorm computes in fp32 even for fp64 tensors: ~1e-7 is that rounding, not the rotation
+    assert compare(before, model, padded_batches()).max_rel < 1e-5
+    assert compare(original, model, padded_batches()).max_rel < 1e-5
+    # the stream really is rotated: every writer and reader changed, every norm gain folded to 1
+    stream = report.streams[0]
+    for name in [*stream["writers"], *stream["readers"]]:
+        old, new = before.get_submodule(name).weight, model.get_submodule(name).weight
+        assert (new - old).norm() > 0.3 * old.norm(), name
+    assert all(bool((m.weight == 1).all()) for m in model.modules() if isinstance(m, normswap.RMSNorm))
+    assert [s["q"] for s in report.streams] == ["randomised Hadamard"]
+    assert "rotated" in model.config.normswap["not_preserved"]["hidden_states"]   # said on every load
+    tied = before.get_output_embeddings().weight is before.get_input_embeddings().weight
+    head_reads_stream = "lm_head" in stream["readers"]   # OPT with a projection: its head reads project_out
+    assert report.untied == (["lm_head.weight"] if tied and head_reads_stream else [])
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == \
+        (tied and not head_reads_stream)
+
+
+def test_a_wrong_rotation_is_caught_by_verification(monkeypatch):
+    """The check can fail: a stream rotated with a non-orthogonal matrix is refused after the edits."""
+    from normswap.surgery import rotate as rotate_mod
+    model, _ = _converted(build("gpt2"))
+    monkeypatch.setattr(rotate_mod, "rotation", lambda n, method, seed: (2 * torch.eye(n, dtype=torch.float64), "x"))
+    with pytest.raises(NormswapError, match=r"rotation failed verification.*discard it"):
+        rotate(model)
+
+
+def test_vit_rotates_with_both_methods():
+    for method, q in (("hadamard", "randomised Hadamard"), ("random", "random orthogonal")):
+        torch.manual_seed(0)
+        config = tf.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=16, patch_size=8, num_labels=5)
+        original = build_vit = tf.ViTForImageClassification(config).eval()
+        with torch.no_grad():
+            for m in original.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.normal_(0.2, 0.5)
+        model, before = _converted(copy.deepcopy(build_vit))
+        report = rotate(model, method=method, seed=1)
+        assert [s["q"] for s in report.streams] == [q]
+        x = {"pixel_values": torch.randn(3, 3, 16, 16)}
+        assert compare(original, model, [x]).max_rel < 1e-5
+        patch = model.vit.embeddings.patch_embeddings.projection.weight   # a Conv2d writer: rotated
+        old = before.vit.embeddings.patch_embeddings.projection.weight
+        assert (patch - old).norm() > 0.5 * old.norm()
+
+
+class LinearGPT(nn.Module):
+    """A hand-written pre-LN GPT with Linear attention (q, k, v, o), width 36: no Hadamard matrix of that order."""
+
+    def __init__(self, vocab: int = 61, d: int = 36, layers: int = 2):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Parameter(torch.randn(64, d) * 0.1 + 0.2)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d) for _ in range(layers))
+        self.o = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.ln2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                 for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe[:t]
+        for ln1, qkv, o, ln2, mlp in zip(self.ln1, self.qkv, self.o, self.ln2, self.mlp):
+            q, k, v = qkv(ln1(x)).chunk(3, -1)
+            a = torch.softmax(q @ k.transpose(-1, -2) / 6 + torch.triu(torch.full((t, t), -1e9), 1), -1)
+            x = x + o(a @ v)
+            x = x + mlp(ln2(x))
+        return self.head(self.ln_f(x))
+
+
+def _perturbed(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+    return model.eval()
+
+
+def test_user_module_with_example_inputs_rotates_with_a_random_orthogonal_matrix():
+    torch.manual_seed(0)
+    original = _perturbed(LinearGPT())
+    examples = [torch.randint(0, 61, (2, 16))]
+    model, _ = _converted(copy.deepcopy(original), examples)
+    report = rotate(model, method="hadamard", seed=0, example_inputs=examples)
+    assert [s["q"] for s in report.streams] == ["random orthogonal (no Hadamard of order 36 known)"]
+    assert "param:wpe" in report.streams[0]["writers"] and "head" in report.streams[0]["readers"]
+    others = torch.randint(0, 61, (3, 40))
+    with torch.no_grad():
+        ref, out = original(others), model(others)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert normswap.rotate(model, method="random", seed=5, example_inputs=examples).verification["max_rel"] < 1e-4
+
+
+# ---- refusals: one per case, each naming the part --------------------------------------------------------
+
+def test_refuses_a_model_with_layernorms_left():
+    with pytest.raises(NotRotatable, match=r"transformer\.h\.0\.ln_1 \(LayerNorm\) is a LayerNorm: convert"):
+        rotate(build("gpt2"))
+
+
+def test_refuses_prmsnorm():
+    model = build("gpt2")
+    normswap.convert(model, to="prmsnorm", method="exact")
+    with pytest.raises(NotRotatable, match=r"transformer\.h\.0\.ln_1 is a pRMSNorm"):
+        rotate(model)
+
+
+def test_refuses_a_final_norm_read_by_the_model_output():
+    model, _ = _converted(build("gpt2-headless"))
+    with pytest.raises(NotRotatable, match=r"^ln_f's output is read by the model output"):
+        rotate(model)
+
+
+def test_refuses_a_norm_writing_the_stream():
+    model, _ = _converted(build("bloom"))
+    with pytest.raises(NotRotatable, match=r"word_embeddings_layernorm's output is written into the stream"):
+        rotate(model)
+
+
+def test_refuses_a_norm_read_by_multihead_attention():
+    examples = [torch.randint(0, 61, (2, 16)), {"idx": torch.randint(0, 61, (1, 5)), "prefix": torch.randn(1, 8)}]
+    model, _ = _converted(gpt(), examples)
+    with pytest.raises(NotRotatable, match=r"blocks\.0\.ln_1's output is read by nn\.MultiheadAttention"):
+        rotate(model, example_inputs=examples)
+
+
+class RawReader(nn.Module):
+    """RMSNorm blocks with a head that also reads the unnormalised stream."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.norm, self.mlp = nn.Embedding(11, d), nn.RMSNorm(d), nn.Linear(d, d)
+        self.final, self.head, self.probe = nn.RMSNorm(d), nn.Linear(d, 11), nn.Linear(d, 1)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + self.mlp(self.norm(x))
+        return self.head(self.final(x)) + self.probe(x)
+
+
+def test_refuses_a_layer_reading_the_raw_stream():
+    with pytest.raises(NotRotatable, match=r"probe \(Linear\) reads the unnormalised stream"):
+        rotate(RawReader(), example_inputs=torch.randint(0, 11, (2, 5)))
+
+
+def test_refuses_a_norm_of_another_library():
+    config = tf.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=4, max_position_embeddings=32)
+    with pytest.raises(NotRotatable, match=r"input_layernorm \(LlamaRMSNorm\) is an RMSNorm normswap"):
+        rotate(tf.LlamaForCausalLM(config))
+
+
+def test_refuses_bad_arguments_in_one_line():
+    with pytest.raises(NormswapError, match="unknown rotation method 'givens'"):
+        rotate(RawReader(), method="givens")
+    with pytest.raises(NormswapError, match="seed must be an int"):
+        rotate(RawReader(), seed=1.5)
+    with pytest.raises(NormswapError, match="must be a torch.nn.Module"):
+        rotate("gpt2")
+
+
+class AlsoReturnsStates(nn.Module):
+    """A final norm read by a bias-free head and also returned nested ("states.0"): the conversion keeps its
+    bias after it; the rotation folds that bias into the head instead."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.emb, self.norm, self.mlp = nn.Embedding(11, d), nn.LayerNorm(d), nn.Linear(d, d)
+        self.final, self.head = nn.LayerNorm(d), nn.Linear(d, 11, bias=False)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        x = x + self.mlp(self.norm(x))
+        y = self.final(x)
+        return {"logits": self.head(y), "states": (y,)}
+
+
+def test_a_norm_bias_kept_for_a_returned_output_is_folded_into_its_reader():
+    original = _perturbed(AlsoReturnsStates())
+    examples = torch.randint(0, 11, (2, 5))
+    model, _ = _converted(copy.deepcopy(original), examples)
+    assert model.final.normswap_bias is not None   # kept after the norm by the conversion
+    report = rotate(model, example_inputs=examples)
+    assert report.added_biases == ["head"] and not hasattr(model.final, "normswap_bias")
+    assert report.not_preserved == {"states.0": "the residual stream, returned rotated (and centred)"}
+    assert "final" not in model.normswap_section["output_fixes"] and "head" in model.normswap_section["added_biases"]
+    x = torch.randint(0, 11, (3, 9))
+    with torch.no_grad():
+        ref, out = original(x)["logits"], model(x)["logits"]
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+class Scale(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return self.gamma * x
+
+
+class Blocks(nn.Module):
+    """RMSNorm blocks (no conversion needed): `scaled` puts a per-channel LayerScale on the MLP's output,
+    `per_head` an RMSNorm over each head of a projection that writes the stream."""
+
+    def __init__(self, scaled: bool = False, per_head: bool = False, d: int = 16):
+        super().__init__()
+        self.emb, self.norm, self.mlp = nn.Embedding(11, d), nn.RMSNorm(d), nn.Linear(d, d)
+        self.scale = Scale(d) if scaled else nn.Identity()
+        self.head_norm = nn.RMSNorm(4) if per_head else None
+        self.final, self.head = nn.RMSNorm(d), nn.Linear(d, 11)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        h = self.mlp(self.norm(x))
+        if self.head_norm is not None:
+            h = self.head_norm(h.unflatten(-1, (4, 4))).flatten(-2)
+        x = x + self.scale(h)
+        return self.head(self.final(x))
+
+
+def test_rms_norm_blocks_rotate_and_refusals_name_a_per_channel_scale_and_a_per_head_norm():
+    examples = torch.randint(0, 11, (2, 5))
+    plain = Blocks().eval()
+    x = torch.randint(0, 11, (3, 7))
+    emb = plain.emb.weight.detach().clone()
+    with torch.no_grad():
+        ref = plain(x)
+        assert rotate(plain, example_inputs=examples).verification["max_rel"] < 1e-4
+        assert torch.allclose(plain(x), ref, atol=1e-5) and (plain.emb.weight - emb).norm() > 0.3 * emb.norm()
+    with pytest.raises(NotRotatable, match=r"scale scales the stream per channel"):
+        rotate(Blocks(scaled=True), example_inputs=examples)
+    with pytest.raises(NotRotatable, match=r"head_norm normalises groups of channels of mlp \(a per-head norm\)"):
+        rotate(Blocks(per_head=True), example_inputs=examples)
