@@ -5,6 +5,7 @@ Exit codes: 0 success, 1 runtime error, 2 usage error, 130 Ctrl-C, 143 SIGTERM.
 from __future__ import annotations
 
 import importlib
+import logging
 import signal
 import sys
 
@@ -40,6 +41,9 @@ class Group(click.Group):
         return self.commands.get(name)
 
     def main(self, *args, standalone_mode=True, **kwargs):
+        # Where torchao is installed, transformers imports it and torch logs two deprecation warnings about
+        # torchao's enums: nothing a user can act on, and two lines before every command's own output
+        logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
         try:
