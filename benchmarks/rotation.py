@@ -124,11 +124,16 @@ def ort_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def variants(model: nn.Module) -> dict[str, nn.Module]:
     conv = copy.deepcopy(model)
     normswap.convert(conv, method="exact")
-    out = {"original (LayerNorm)": model, "exact RMSNorm": conv}
+    return {"original (LayerNorm)": model, "exact RMSNorm": conv, **rotated_copies(conv, "rotated")}
+
+
+def rotated_copies(model: nn.Module, label: str) -> dict[str, nn.Module]:
+    """`model` rotated by each method (seed 0), labelled with the Q used."""
+    out = {}
     for method in ("hadamard", "random"):
-        rotated = copy.deepcopy(conv)
+        rotated = copy.deepcopy(model)
         report = normswap.rotate(rotated, method=method, seed=0)
-        out[f"rotated, {report.streams[0]['q']}"] = rotated
+        out[f"{label}, {report.streams[0]['q']}"] = rotated
     return out
 
 
@@ -158,12 +163,8 @@ def outlier_variants(model: nn.Module, ids: torch.Tensor) -> dict[str, nn.Module
     conv = copy.deepcopy(model)
     normswap.convert(conv, method="exact")
     spiked = householder_outlier(conv, ids[:8])
-    out = {"original (LayerNorm)": model, "exact RMSNorm, outlier channel made": spiked}
-    for method in ("hadamard", "random"):
-        rotated = copy.deepcopy(spiked)
-        report = normswap.rotate(rotated, method=method, seed=0)
-        out[f"outlier model rotated, {report.streams[0]['q']}"] = rotated
-    return out
+    return {"original (LayerNorm)": model, "exact RMSNorm, outlier channel made": spiked,
+            **rotated_copies(spiked, "outlier model rotated")}
 
 
 def measure(title: str, model: nn.Module, ids: torch.Tensor, use_ort: bool, outlier: bool = False) -> list[str]:

@@ -13,7 +13,7 @@ from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery.rotate import NotRotatable, rotate
 from helpers.exact_models import build, padded_batches
-from helpers.user_models import gpt
+from helpers.user_models import gpt, perturbed
 
 ROTATABLE = ["codegen", "falcon-new", "falcon-parallel", "falcon-sequential-alibi", "gpt2", "gpt_neo",
              "gpt_neox-parallel", "gpt_neox-sequential", "gptj", "opt", "opt-project", "phi"]
@@ -104,19 +104,9 @@ class LinearGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def _perturbed(model: nn.Module) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
-                m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
-    return model.eval()
-
-
 def test_user_module_with_example_inputs_rotates_with_a_random_orthogonal_matrix():
     torch.manual_seed(0)
-    original = _perturbed(LinearGPT())
+    original = perturbed(LinearGPT())
     examples = [torch.randint(0, 61, (2, 16))]
     model, _ = _converted(copy.deepcopy(original), examples)
     report = rotate(model, method="hadamard", seed=0, example_inputs=examples)
@@ -214,7 +204,7 @@ class AlsoReturnsStates(nn.Module):
 
 
 def test_a_norm_bias_kept_for_a_returned_output_is_folded_into_its_reader():
-    original = _perturbed(AlsoReturnsStates())
+    original = perturbed(AlsoReturnsStates())
     examples = torch.randint(0, 11, (2, 5))
     model, _ = _converted(copy.deepcopy(original), examples)
     assert model.final.normswap_bias is not None   # kept after the norm by the conversion
