@@ -184,18 +184,17 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
                 excluded[k] = skipped(k, skip)
                 del kept[k]
             used.append(x)
-            outs.append({k: _owned(v, model) for k, v in kept.items()})
+            mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+            outs.append({k: _owned(v, mine) for k, v in kept.items()})
     return Reference(used, outs, name, excluded)
 
 
-def _owned(v: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """v detached, copied only where it is a view or a model's own tensor (which an in-place edit would change):
-    copying every output held two of each (a big vocabulary's logits) at once."""
+def _owned(v: torch.Tensor, mine: set[int]) -> torch.Tensor:
+    """v detached, copied only where it is a view or a model's own tensor (`mine`: their storages' addresses,
+    which an in-place edit would change): copying every output held two of each (a big vocabulary's logits)."""
     storage = v.untyped_storage()
     view = v._base is not None or storage.nbytes() != v.numel() * v.element_size()
-    mine = any(t.untyped_storage().data_ptr() == storage.data_ptr()
-               for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
-    return v.detach().clone() if view or mine else v.detach()
+    return v.detach().clone() if view or storage.data_ptr() in mine else v.detach()
 
 
 def unrunnable(model: nn.Module, e: Exception) -> NormswapError:
