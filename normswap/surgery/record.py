@@ -67,7 +67,7 @@ class Recorder(TorchFunctionMode):
         self.given: set[int] = set()     # ids of the floating tensors the model itself was called with
         self.inside: str | None = None   # the hooked leaf running now: its inner calls are hidden
         self.stack: list[str] = []       # the modules being run, for messages
-        self.pending: dict[int, tuple[torch.Tensor, Flow, User]] = {}   # slices not read yet
+        self.pending = TensorMap()       # slice -> (Flow, User): slices not read yet
         self.deferred: list[tuple[User, frozenset, list, dict]] = []      # uses of rearranged tensors
 
     def get(self, x: torch.Tensor) -> Flow | None:
@@ -134,10 +134,9 @@ class Recorder(TorchFunctionMode):
 
     def read(self, x: torch.Tensor) -> None:
         """x's values are read: a pending slice becomes a use."""
-        held = self.pending.get(id(x))
-        if held is not None and held[0] is x:
-            del self.pending[id(x)]
-            self.use(x, held[1], held[2])
+        held = self.pending.pop(x)
+        if held is not None:
+            self.use(x, *held)
 
     def record(self, func, name: str, args, kwargs, out, ins: list[torch.Tensor]) -> None:
         outs = tensors_in(out)
@@ -344,7 +343,7 @@ class Recorder(TorchFunctionMode):
         self.trace.reads[name].add(OTHER)
         user = User("module", name, type(module).__name__)
         if flow is not None and flow.pure and flow.codes is not None:
-            self.pending[id(x)] = (x, flow, user)
+            self.pending.set(x, (flow, user), strong=True)   # held until read or the forward ends
         elif flow is not None:
             self.use(x, flow, user)
 

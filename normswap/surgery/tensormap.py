@@ -26,6 +26,13 @@ class TensorMap:
                 del held[i]
         held[i] = ((lambda: x) if strong else weakref.ref(x, gone), value)
 
+    def pop(self, x: torch.Tensor):
+        """x's value, removed; None if x has none."""
+        value = self.get(x)
+        if value is not None:
+            del self._held[id(x)]
+        return value
+
     def clear(self) -> None:
         self._held.clear()
 
