@@ -43,7 +43,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    ap.add_argument("--only", choices=("op", "models", "share", "heal"), action="append",
+    ap.add_argument("--only", choices=("op", "graph", "models", "share", "heal"), action="append",
                     help="run only these parts")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--threads", default="1,2", help="thread counts for the model tables (op: the first)")
@@ -160,6 +160,56 @@ def bench_op(args, dtype_name: str, reps: int) -> None:
           f"{torch.get_num_threads()} thread(s), {clock_name()}, fastest repeat", header, bwd_rows)
     print(f"\nworst ours / nn.LayerNorm ({dtype_name}): forward {worst['fwd']:.2f} (target <= 0.90), "
           f"backward {worst['bwd']:.2f} (target <= 1.00)")
+
+
+class Several(nn.Module):
+    """k norms of one input in one forward: compiled, one graph holds k independent norms (reading one
+    input keeps the working set of the graph that of one norm's)."""
+
+    def __init__(self, make, k: int):
+        super().__init__()
+        self.norms = nn.ModuleList(make() for _ in range(k))
+
+    def forward(self, x):
+        return [norm(x) for norm in self.norms]
+
+
+def bench_graph(args, dtype_name: str, reps: int, k: int = 9) -> None:
+    """The norm's cost inside a compiled graph, without the per-call overhead a compiled call adds (guards,
+    the wrapper): a graph of k norms minus a graph of 1, divided by k - 1, for RMSNorm and nn.LayerNorm."""
+    from normswap import RMSNorm
+    dtype = DTYPES[dtype_name]
+    rows = []
+    for n, d in [(r, d) for r, d in op_shapes(args.quick) if r >= 8]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(n, d, generator=g).to(dtype)
+        dys = [torch.randn(n, d, generator=g).to(dtype) for _ in range(k)]
+        makes = {"LN": lambda: nn.LayerNorm(d, dtype=dtype), "RMS": lambda: RMSNorm(d, eps=1e-5, dtype=dtype)}
+        mods = {(name, j): Several(make, j) for name, make in makes.items() for j in (1, k)}
+        for m in mods.values():   # trained-looking gains and biases
+            for p in m.parameters():
+                p.data.uniform_(0.5, 1.5)
+        compiled = {key: torch.compile(m, dynamic=False) for key, m in mods.items()}
+        with torch.no_grad():
+            fwd = interleaved({key: (lambda c=c: c(x)) for key, c in compiled.items()}, reps, stat=min)
+        grads = {}
+        for key, c in compiled.items():
+            j = key[1]
+            xg = x.detach().requires_grad_()
+            inputs, outs = [xg, *mods[key].parameters()], c(xg)
+            grads[key] = (lambda o=outs, i=inputs, j=j: torch.autograd.grad(o, i, dys[:j], retain_graph=True))
+        bwd = interleaved(grads, reps, stat=min)
+        row = [f"{n} x {d}"]
+        for t in (fwd, bwd):
+            per = {name: (t[(name, k)] - t[(name, 1)]) / (k - 1) for name in makes}
+            row += [us(per["LN"]), us(per["RMS"]), f"**{per['RMS'] / per['LN']:.2f}**",
+                    us(t[("LN", 1)]), f"{t[('RMS', 1)] / t[('LN', 1)]:.2f}"]
+        rows.append(row)
+        print("  ", " | ".join(row), flush=True)
+    cols = ["LN us", "RMS us", "RMS / LN", "one compiled LN call us", "one call: RMS / LN"]
+    table(f"Compiled norms inside a graph ({k} norms minus 1, per norm), {dtype_name}, "
+          f"{torch.get_num_threads()} thread(s), {clock_name()}, fastest repeat; forward (no grad), then backward",
+          ["rows x width"] + [f"fwd {c}" for c in cols] + [f"bwd {c}" for c in cols], rows)
 
 
 # ---- models ----------------------------------------------------------------------------------------
@@ -317,12 +367,16 @@ def main(argv=None) -> int:
     reps = args.reps or (7 if args.quick else 15)
     # One graph per op shape, and per model object for the shared HF forward code: never fall back to eager.
     torch._dynamo.config.recompile_limit = 512
-    parts = args.only or ["op", "models", "share", "heal"]
+    parts = args.only or ["op", "graph", "models", "share", "heal"]
     print(f"Device: {device_line()}")
     if "op" in parts:
         torch.set_num_threads(int(args.threads.split(",")[0]))
         for name in args.dtypes.split(","):
             bench_op(args, name, reps)
+    if "graph" in parts and not args.no_compile:
+        torch.set_num_threads(int(args.threads.split(",")[0]))
+        for name in args.dtypes.split(","):
+            bench_graph(args, name, reps)
     if "models" in parts:
         bench_models(args, reps)
     if "share" in parts:

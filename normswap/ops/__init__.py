@@ -96,13 +96,19 @@ def _eager_module(raw):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
              residual: torch.Tensor | None = None, p: float | None = None):
     """RMSNorm over the last dim (pRMSNorm when p is given); returns y, or (y, x + residual) with `residual`."""
-    if x.is_cpu and not _pytorch_form_needed():
-        fast = _eager_module(_env_raw(_ENV_KEY))
-        if fast is not None:  # checks, promotion and broadcasting happen in C++
-            k = -1 if p is None else partial_width(x.shape[-1], p)
-            if residual is None:
-                return fast.rms_norm(x, weight, eps, k)
-            return fast.rms_norm_add(x, residual, weight, eps, k)
+    if x.is_cpu:
+        if _is_compiling():
+            # torch.compile / export of a CPU tensor: the decomposition, reached with few calls (each call
+            # traced here is a guard that every compiled call evaluates)
+            if _setting() != "triton":
+                return rms_norm_reference(x, weight, eps, residual=residual, p=p)
+        elif not _pytorch_form_needed():
+            fast = _eager_module(_env_raw(_ENV_KEY))
+            if fast is not None:  # checks, promotion and broadcasting happen in C++
+                k = -1 if p is None else partial_width(x.shape[-1], p)
+                if residual is None:
+                    return fast.rms_norm(x, weight, eps, k)
+                return fast.rms_norm_add(x, residual, weight, eps, k)
     check_float(x, residual)
     if resolve_backend(x) == "triton":
         from normswap.ops.autograd import rms_norm_triton

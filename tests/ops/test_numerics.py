@@ -195,3 +195,5 @@ def test_compiled_norm_does_not_guard_on_the_environment():
     (entry,) = cache_entries(RMSNorm.forward.__code__)
     guards = str(entry.guard_manager)
     assert "rms_norm" in guards and "environ" not in guards
+    # a CPU tensor under compile goes straight to the decomposition: no backend resolution traced (and guarded)
+    assert "resolve_backend" not in guards and "_pytorch_form_needed" not in guards
