@@ -140,11 +140,10 @@ def quantize(staged: Path, report, reference: nn.Module, batches: list[dict] | N
         _logits_rows(sess, reference, report)
     summary = _summary(rows)
     _refuse_broken(summary)
-    out = {"scheme": "int8", "weights": WEIGHTS, "activations": ACTIVATIONS, "ops": ops, **summary, "rows": rows,
-           "refused_below_top1" if "top1" in summary else "refused_above_max_rel":
-               MIN_TOP1 if "top1" in summary else MAX_REL,
-           "bytes": {"fp32": sum(p.stat().st_size for p in _files(staged)),
-                     "int8": sum(p.stat().st_size for p in _files(dst))}}
+    threshold = {"refused_below_top1": MIN_TOP1} if "top1" in summary else {"refused_above_max_rel": MAX_REL}
+    out = {"scheme": "int8", "weights": WEIGHTS, "activations": ACTIVATIONS, "ops": ops, **summary, **threshold,
+           "rows": rows, "bytes": {"fp32": sum(p.stat().st_size for p in _files(staged)),
+                                   "int8": sum(p.stat().st_size for p in _files(dst))}}
     if batches is None:
         out["latency_ms"] = validate.latency_ms(sess, reference, report.with_past, np.float32)
     del sess
