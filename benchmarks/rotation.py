@@ -11,7 +11,10 @@ and kurtosis over channels (averaged over tokens), and the same for the input of
 layer (what W8A8 quantizes per token), before and after rotation.
 
     python benchmarks/rotation.py [--parts demo,small,outlier] [--windows 64] [--small-windows 12] [--ort]
-                                  [--markdown FILE]
+                                  [--schemes fp32,w8a8,int4wo] [--markdown FILE]
+
+--ort adds "ort-int8": the model exported by `normswap.export_onnx(..., quantize="int8")` (what `normswap export
+--quantize int8` writes: onnxruntime's dynamic int8, weights per channel) and run in onnxruntime.
 """
 from __future__ import annotations
 
@@ -101,13 +104,13 @@ def activation_stats(model: nn.Module, ids: torch.Tensor, first_linear: str) -> 
 
 
 def ort_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """onnxruntime's quantize_dynamic (int8 weights, per-tensor dynamic activations) of the model's ONNX export."""
+    """The model exported as `normswap export --quantize int8` writes it, run in onnxruntime."""
     import onnxruntime as ort
-    from onnxruntime.quantization import QuantType, quantize_dynamic
     with tempfile.TemporaryDirectory() as d:
-        src, dst = Path(d) / "m.onnx", Path(d) / "q.onnx"
-        normswap.export_onnx(model, src)
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8)
+        dst = Path(d) / "q.onnx"
+        report = normswap.export_onnx(model, dst, quantize="int8")
+        q = report.quantized
+        print(f"    export's own check: KL {q['kl']:.3e}, top-1 {q['top1']:.1%}", file=sys.stderr, flush=True)
         sess = ort.InferenceSession(str(dst), providers=["CPUExecutionProvider"])
         names = {i.name for i in sess.get_inputs()}
         outs = []
@@ -167,11 +170,10 @@ def outlier_variants(model: nn.Module, ids: torch.Tensor) -> dict[str, nn.Module
             **rotated_copies(spiked, "outlier model rotated")}
 
 
-def measure(title: str, model: nn.Module, ids: torch.Tensor, use_ort: bool, outlier: bool = False) -> list[str]:
+def measure(title: str, model: nn.Module, ids: torch.Tensor, schemes: list[str], outlier: bool = False) -> list[str]:
     t0 = time.time()
     models = outlier_variants(model.eval(), ids) if outlier else variants(model.eval())
     ref = log_probs(model, ids)
-    schemes = ["fp32", "w8a8", "int4wo"] + (["ort-int8"] if use_ort else [])
     lines = [f"### {title}: {ids.numel()} held-out tokens ({ids.shape[0]} windows of {ids.shape[1]})", "",
              "| model | " + " | ".join(f"{s} KL | {s} ppl" for s in schemes) + " |",
              "|---|" + "---|---|" * len(schemes)]
@@ -203,6 +205,8 @@ def main() -> None:
     ap.add_argument("--parts", default="demo,small", help="Comma-separated: demo, small, outlier (the demo with "
                     "one outlier channel made first, the same function).")
     ap.add_argument("--ort", action="store_true")
+    ap.add_argument("--schemes", default="fp32,w8a8,int4wo", help="Comma-separated: fp32, w8a8, int4wo "
+                    "(--ort adds ort-int8).")
     ap.add_argument("--markdown", default=None)
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -211,15 +215,16 @@ def main() -> None:
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}", ""]
     parts = a.parts.split(",")
+    schemes = a.schemes.split(",") + (["ort-int8"] if a.ort else [])
     if "demo" in parts:
-        lines += measure("normswap-demo (GPT-2 shape, 4 layers, width 256, trained)", model, ids, a.ort)
+        lines += measure("normswap-demo (GPT-2 shape, 4 layers, width 256, trained)", model, ids, schemes)
     if "outlier" in parts:
         lines += measure("normswap-demo with one outlier channel made by an exact Householder rotation", model, ids,
-                         a.ort, outlier=True)
+                         schemes, outlier=True)
     if "small" in parts:
         small = tf.GPT2LMHeadModel(tf.GPT2Config(n_positions=a.seq)).eval()   # 124M, random init
         lines += measure("GPT-2-small-sized, random init (width 768: 64 x Paley 12)", small,
-                         windows(tok, a.small_windows, a.seq), a.ort)
+                         windows(tok, a.small_windows, a.seq), schemes)
     text = "\n".join(lines)
     print(text)
     if a.markdown:

@@ -41,6 +41,8 @@ def convert(src, out, opts: Shared, options: ConvertOptions):
         click.echo(f"after healing: {result.parity}")
     else:
         click.echo(str(result.parity))
+    if result.rotation:
+        click.echo(result.rotation.to_table())
     click.echo(f"saved to {out}")
     if result.exported:
         click.echo(str(result.exported))

@@ -12,7 +12,7 @@ from normswap.io import kept
 from normswap.io.atomic import atomic_dir
 from normswap.errors import NormswapError, first_line
 from normswap.export import genai, wrap
-from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args
+from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args, check_quantize
 from normswap.export.report import ExportReport
 from normswap.models.save import save_tokenizer
 
@@ -43,16 +43,19 @@ def _write_generation_config(model: nn.Module, out: Path) -> bool:
 def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, target: str = "ort",
                   fp16: bool = False, with_past: bool | None = None, opset: int | None = None,
                   overwrite: bool = False, validate: bool = True,
-                  external_data_bytes: int | None = None, source: str | os.PathLike | None = None) -> ExportReport:
+                  external_data_bytes: int | None = None, source: str | os.PathLike | None = None,
+                  quantize: str | None = None) -> ExportReport:
     """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
     `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
     decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
 
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
     source: the model's folder, whose other files its loaders read the folder keeps (`io.kept`).
+    quantize "int8": model.onnx is the validated graph's int8 quantization (`export_onnx`).
     The folder appears (atomically) only once the export validated.
     """
     opset = check_args(target, opset)
+    check_quantize(quantize, fp16)
     if not hasattr(model, "config"):
         raise NormswapError("export_folder needs a Hugging Face model (with .config)")
     out = Path(out).expanduser()
@@ -61,7 +64,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     limit = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
     with atomic_dir(out, overwrite) as tmp:
         report = build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
-                           limit)
+                       limit, quantize=quantize)
         names = kept.copy_kept(source, tmp) if source is not None else []   # before the files written here
         _write_config(model, tmp, with_past, fp16)
         if decoder:

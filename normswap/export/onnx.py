@@ -48,6 +48,7 @@ KINDS = "decoder-only language models, text encoders and vision and audio encode
 FP32_TOL = 1e-4
 FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
 EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
+QUANTIZE = ("int8",)   # `quantize` schemes (export.quantize)
 
 def check_args(target: str, opset: int | None) -> int:
     """The opset to export `target` with; one-line errors for missing packages, targets and opsets."""
@@ -62,6 +63,17 @@ def check_args(target: str, opset: int | None) -> int:
         span = f"{lo}" if lo == hi else f"{lo}..{hi}"
         raise NormswapError(f"opset {opset} is not supported for target '{target}': use {span}")
     return opset
+
+
+def check_quantize(quantize: str | None, fp16: bool, fp16_name: str = "`fp16=True`") -> None:
+    """One-line errors, before any work, for an unknown scheme and for an fp16 graph (int8 starts from fp32)."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZE:
+        raise NormswapError(f"unknown quantization '{quantize}': choose {', '.join(QUANTIZE)}")
+    if fp16:
+        raise NormswapError(f"`quantize={quantize!r}` quantizes the fp32 graph (int8 weights, fp32 elsewhere): "
+                            f"leave out {fp16_name}")
 
 
 def check_replaceable(path: Path, overwrite) -> None:
@@ -196,11 +208,13 @@ def _build_hf(reference: nn.Module, work: nn.Module, report: ExportReport):
 
 
 def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
-          validate: bool, external_data_bytes: int, example_inputs=None) -> ExportReport:
+          validate: bool, external_data_bytes: int, example_inputs=None, quantize: str | None = None) -> ExportReport:
     """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`. With
     `example_inputs`, any module, on them (`_export_module`); without, an HF model on its own inputs: a text
-    model's input_ids (`_build_hf`), a vision or audio encoder's (`own_inputs`, then as on example inputs)."""
-    from normswap.export.validate import validate_export, validate_module   # onnx is an optional extra
+    model's input_ids (`_build_hf`), a vision or audio encoder's (`own_inputs`, then as on example inputs).
+    quantize "int8": the validated file is then replaced by its int8 quantization, measured (`export.quantize`)."""
+    from normswap.export import quantize as int8   # onnx is an optional extra: imported when exporting
+    from normswap.export.validate import validate_export, validate_module
 
     modes = contextlib.ExitStack()   # eval, every module's own flag back after it
     modes.enter_context(eval_mode(model))
@@ -226,6 +240,9 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
             validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
         elif validate:
             validate_module(staged, report, reference, batches, names, FP32_TOL, FP16_TOL)
+        if quantize:
+            report.quantized = int8.quantize(staged, report, reference, *((batches, names) if example_inputs
+                                                                           is not None else ()))
     finally:
         modes.close()
     return report
@@ -249,7 +266,7 @@ def _check_model(model, example_inputs, with_past: bool) -> None:
 def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
                 with_past: bool = False, opset: int | None = None, overwrite: bool = False,
                 validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES,
-                example_inputs=None) -> ExportReport:
+                example_inputs=None, quantize: str | None = None) -> ExportReport:
     """Export a (converted) model to ONNX at `path` and validate it in onnxruntime.
 
     example_inputs (any nn.Module; needed without a transformers config): one batch or a list of batches, as
@@ -267,12 +284,15 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     past_key_values.{i}.key/value inputs and present.{i}.key/value outputs. Decoders also take
     position_ids. Weights over `external_data_bytes` go to `<file>.data` beside it. The file appears
     only once every check passed (validate=False skips the checks, not the atomic write).
+    quantize "int8": after validating the fp32 graph, write its int8 quantization instead (onnxruntime's
+    dynamic quantization of MatMul/Gemm), measured against PyTorch and refused only where broken (`export.quantize`).
     See export_folder for a deployment folder (config, tokenizer, generation config beside it).
     """
     opset = check_args(target, opset)
+    check_quantize(quantize, fp16)
     check_replaceable(path, overwrite)
     path = Path(path).expanduser()
     _check_model(model, example_inputs, with_past)
     with atomic_files(path, lambda: check_replaceable(path, overwrite)) as tmp:
         return build(model, tmp / path.name, path, target, fp16, with_past, opset, validate, external_data_bytes,
-                     example_inputs)
+                     example_inputs, quantize)

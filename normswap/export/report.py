@@ -22,6 +22,7 @@ class ExportReport:
     external_data: bool = False                              # weights in <file>.data beside the graph
     files: list[str] = field(default_factory=list)           # export_folder: what the folder holds
     latency_ms: float | None = None                          # ORT CPU, batch 1, 32 tokens, median
+    quantized: dict | None = None                            # int8: what `quantize.quantize` measured
     validated: bool = False
 
     @property
@@ -63,6 +64,23 @@ class ExportReport:
             lines.append(f"folder: {', '.join(self.files)}")
         if self.latency_ms is not None:
             lines.append(f"ORT CPU latency (batch 1, 32 tokens): {self.latency_ms:.2f} ms")
+        if self.quantized:
+            lines += _quantized_lines(self.quantized)
         return "\n".join(lines)
 
     __str__ = to_table
+
+
+def _quantized_lines(q: dict) -> list[str]:
+    """The int8 model written instead of the fp32 one validated above: how, and its (inexact) error."""
+    ops = ", ".join(f"{v} {k}" for k, v in q["ops"].items())
+    error = f"max relative error {q['max_rel']:.2e}"
+    if "top1" in q:
+        error += f", KL {q['kl']:.2e}, top-1 agreement {q['top1']:.1%} over {q['positions']} positions"
+    mib = {k: v / 2**20 for k, v in q["bytes"].items()}
+    lines = [f"quantized {q['scheme']} (weights {q['weights']}; activations {q['activations']}): {ops}; "
+             f"{mib['fp32']:.1f} MiB -> {mib['int8']:.1f} MiB",
+             f"int8 vs PyTorch fp32 on the validation inputs: {error}"]
+    if q.get("latency_ms") is not None:
+        lines.append(f"int8 ORT CPU latency (batch 1, 32 tokens): {q['latency_ms']:.2f} ms")
+    return lines

@@ -85,9 +85,9 @@ def with_positions(sess, feed: dict[str, np.ndarray], new: int | None = None) ->
 
 
 @torch.no_grad()
-def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -> list[dict]:
-    """max |ORT - PyTorch| of the main output over unpadded positions, per (batch, seq)."""
-    rows = []
+def outputs(sess, reference: nn.Module, output: str, with_past: bool, np_dtype):
+    """Per (batch, seq) of SIZES, on random inputs: (batch, seq, ORT's main output, PyTorch's, the unpadded
+    positions' mask), both outputs float64 numpy."""
     for batch, seq in SIZES:
         feed = with_positions(sess, random_inputs(reference, batch, seq))
         if with_past:
@@ -97,7 +97,13 @@ def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -
         ref = getattr(reference(input_ids=torch.from_numpy(feed["input_ids"]).to(dev),
                                 attention_mask=torch.from_numpy(feed["attention_mask"]).to(dev), use_cache=False),
                       output).double().cpu().numpy()
-        keep = feed["attention_mask"].astype(bool)
+        yield batch, seq, got, ref, feed["attention_mask"].astype(bool)
+
+
+def parity(sess, reference: nn.Module, output: str, with_past: bool, np_dtype) -> list[dict]:
+    """max |ORT - PyTorch| of the main output over unpadded positions, per (batch, seq)."""
+    rows = []
+    for batch, seq, got, ref, keep in outputs(sess, reference, output, with_past, np_dtype):
         diff = np.abs(got[keep] - ref[keep])
         rows.append({"batch": batch, "seq": seq, "max_abs": float(diff.max()),
                      "ref_max": float(np.abs(ref[keep]).max()), "finite": bool(np.isfinite(got).all())})

@@ -1,8 +1,9 @@
 """`convert_checkpoint`: the whole flow `normswap convert` runs, for Python callers too.
 
 Load SRC (or stream it, tensor by tensor, when it is a local safetensors folder and nothing needs the whole
-model), convert, optionally heal on text, compare with the original, export to ONNX, save to OUT. Every
-check that can fail runs before the slow work; OUT (and the ONNX file) appear only once everything passed.
+model), convert, optionally heal on text, rotate the residual streams (`surgery.rotate`), compare with the
+original, export to ONNX, save to OUT. Every check that can fail runs before the slow work; OUT (and the ONNX
+file) appear only once everything passed.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from normswap.surgery.convert import convert
 from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
 from normswap.surgery.report import ConversionReport
+from normswap.surgery.rotate import RotationReport, rotate
 from normswap.surgery.verification import VerificationFailed
 from normswap.textdata import read_texts
 
@@ -50,6 +52,7 @@ class ConvertResult:
     streamed: bool = False
     notices: list[str] = field(default_factory=list)   # how it ran (e.g. converted in memory, not streamed)
     parity_before_heal: Parity | None = None   # healed: the conversion's parity before the heal (`parity`: after)
+    rotation: RotationReport | None = None     # rotated: what `rotate` did (`parity`: the rotated model's)
 
     @property
     def warnings(self) -> list[str]:
@@ -61,6 +64,7 @@ class ConvertResult:
         if self.parity_before_heal is not None:
             out["parity_before_heal"] = self.parity_before_heal.to_dict()
         return {**out, **({"heal": self.healed.to_dict()} if self.healed else {}),
+                **({"rotation": self.rotation.to_dict()} if self.rotation else {}),
                 **({"onnx": self.exported.to_dict()} if self.exported else {})}
 
 
@@ -76,6 +80,7 @@ def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
             raise NormswapError(f"`onnx` {o.onnx} is inside `out` {out}: saving OUT would delete it")
         check_onnx_replaceable(o.onnx, o.overwrite)
     safetensors.parse_size(o.max_shard_size)   # a bad size fails before any work
+    _check_rotate(o)
 
 
 def _heal_texts(o: ConvertOptions) -> list[str] | None:
@@ -84,6 +89,21 @@ def _heal_texts(o: ConvertOptions) -> list[str] | None:
     if o.data and not o.finetune_steps:
         raise NormswapError("`data` is used only with `finetune_steps`")
     return read_texts(o.data) if o.finetune_steps else None
+
+
+def _check_rotate(o: ConvertOptions) -> None:
+    """A rotation keeps the function only of an exact RMSNorm conversion (`surgery.rotate`)."""
+    if not o.rotate:
+        if o.rotate_method != DEFAULTS.rotate_method or o.seed is not None:
+            raise NormswapError(f"`{'seed' if o.seed is not None else 'rotate_method'}` is used only with "
+                                "`rotate=True`")
+        return
+    if o.method != "exact":
+        raise NormswapError("`rotate=True` needs `method='exact'`: a rotation keeps the outputs only of a model "
+                            "converted exactly")
+    if o.to != "rmsnorm":
+        raise NormswapError("`rotate=True` needs `to='rmsnorm'`: pRMSNorm's RMS over a few features does not "
+                            "commute with a rotation")
 
 
 def _refuse_broken(src: str, report: ConversionReport) -> None:
@@ -131,8 +151,9 @@ def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokeniz
 def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFAULTS) -> ConvertResult:
     """Convert the model at `src` (folder, Hub id or "normswap-demo") and save it to `out`, verified.
 
-    A local safetensors folder streams (bounded memory) unless healing, ONNX export, a GPU or missing weights
-    need the model in memory. Nothing to convert: the result's report lists no norm and nothing is written.
+    A local safetensors folder streams (bounded memory) unless healing, rotating, ONNX export, a GPU or missing
+    weights need the model in memory (a rotation edits every weight reading or writing the stream).
+    Nothing to convert: the result's report lists no norm and nothing is written.
     """
     o, out = options, str(out)
     _check_outputs(src, out, o)
@@ -144,7 +165,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     examples = batches_of(o.example_inputs) or None   # a file is read (and checked) now, before any work
     check_examples(examples)
     notices: list[str] = []
-    if not texts and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
+    if not texts and not o.rotate and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
             and streamable(source):
         try:
             return _streamed(source, out, o, examples)
@@ -169,7 +190,11 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
                              progress=o.show_progress)
         if result.healed.interrupted:  # a half-healed model is not what was asked for: write nothing
             raise Interrupted(result.healed.signum)
-    result.parity = compare_to(reference, model, skip=report.unverified)   # those the report names
+    skip = report.unverified
+    if o.rotate:   # refused (NotRotatable) before any edit, and before anything is written
+        result.rotation = rotate(model, o.rotate_method, o.seed or 0, examples)
+        skip = {**skip, **result.rotation.not_preserved}
+    result.parity = compare_to(reference, model, skip=skip)   # those the reports name
     refuse_nonfinite(result.parity)
     # Export (validated, atomic) before saving: a failed export then leaves nothing written at all.
     if o.onnx:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from normswap.errors import NormswapError
 from normswap.export.folder import export_folder
-from normswap.export.onnx import ExportReport, check_args, export_onnx
+from normswap.export.onnx import ExportReport, check_args, check_quantize, export_onnx
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import load_model
 from normswap.models.source import source_folder
@@ -28,6 +28,7 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
                             "which has no bfloat16 kernels (MatMul, Add); export fp32 or fp16")
     device = resolve_device(o.device)
     check_args(o.target, o.opset)  # fail before the (slow) load
+    check_quantize(o.quantize, o.dtype == "fp16", "`dtype='fp16'`")
     check_output(out or o.onnx, [("`src`", src)])
     if out is not None:
         check_replaceable(out, o.overwrite)
@@ -36,6 +37,6 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
     fp16 = o.dtype == "fp16"
     if out is not None:
         return export_folder(model, out, tokenizer=tokenizer, target=o.target, fp16=fp16, with_past=o.with_past,
-                             opset=o.opset, overwrite=o.overwrite, source=source_folder(src))
+                             opset=o.opset, overwrite=o.overwrite, source=source_folder(src), quantize=o.quantize)
     return export_onnx(model, o.onnx, target=o.target, fp16=fp16, with_past=bool(o.with_past), opset=o.opset,
-                       overwrite=o.overwrite)
+                       overwrite=o.overwrite, quantize=o.quantize)

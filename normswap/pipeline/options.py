@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from normswap.healing.options import HealOptions
 from normswap.io import safetensors
 from normswap.models.load import LoadOptions
+from normswap.export.onnx import QUANTIZE
 from normswap.surgery.convert import METHODS
 from normswap.surgery.orthogonal import METHODS as ROTATIONS
 
@@ -41,6 +42,15 @@ class ConvertOptions:
     data: tuple[str, ...] = field(default=(), metadata=dict(   # text files (or folders of .txt) to heal on
         flag="--data", multiple=True, type="path",
         help="Text file(s) for --finetune-steps (normswap-demo: the demo's heal text, no held-out chapter)."))
+    # then rotate the residual streams (`surgery.rotate`, QuaRot style); needs method "exact"
+    rotate: bool = field(default=False, metadata=dict(
+        flag="--rotate", is_flag=True,
+        help="Then rotate the residual streams for quantization (needs --method exact; converts in memory)."))
+    rotate_method: str = field(default="hadamard", metadata=dict(   # "hadamard" | "random"
+        flag="--rotate-method", choices=ROTATIONS, show_default=True,
+        help="With --rotate: hadamard (randomised Hadamard) or random (random orthogonal)."))
+    seed: int | None = field(default=None, metadata=dict(   # None: 0
+        flag="--seed", type=int, help="With --rotate: draws the Hadamard signs or the random matrix (default 0)."))
     onnx: str | None = field(default=None, metadata=dict(   # then export to this ONNX file (target ort)
         flag="--onnx", type="path", help="Then export to this ONNX file (target ort)."))
     max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
@@ -133,6 +143,11 @@ class ExportOptions:
         help="Decoder with past key/values in and out (default: on for decoders with -o, off with --onnx)."))
     opset: int | None = field(default=None, metadata=dict(
         flag="--opset", type=int, help="ONNX opset (ort: 18-23, default 18; onnx23: 23)."))
+    # then write the validated fp32 graph's int8 quantization instead, its error measured (`export.quantize`)
+    quantize: str | None = field(default=None, metadata=dict(
+        flag="--quantize", choices=QUANTIZE,
+        help="Write the graph quantized: int8 weights of MatMul/Gemm, dynamic uint8 activations (after "
+             "validating the fp32 graph; its error vs PyTorch is reported, refused only if broken)."))
     load: LoadOptions = LoadOptions()
     device: str = field(default="auto", metadata=DEVICE)
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)

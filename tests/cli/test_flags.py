@@ -55,11 +55,12 @@ def test_each_command_has_one_flag_per_field_and_its_switches():
     convert, heal, export = (main.get_command(None, n) for n in ("convert", "heal", "export"))
     assert _flags(convert) == {"--to", "--method", "--p", "--dtype", "--trust-remote-code", "--allow-missing-weights",
                                "--device", "--finetune-steps", "--data", "--onnx", "--max-shard-size", "--overwrite",
-                               "--overwrite-any", "-o", "--output", "--json", "--inputs"}
+                               "--overwrite-any", "-o", "--output", "--json", "--inputs", "--rotate",
+                               "--rotate-method", "--seed"}
     fields = {f.name for f in dataclasses.fields(HealOptions)} - {"lora"}
     assert {f"--{n.replace('_', '-')}" for n in fields - {"eval_texts"}} | {"--eval-data"} <= _flags(heal)
     assert {"--lora-rank", "--lora-alpha", "--lora-targets", "--lora-norms", "--no-lora-norms"} <= _flags(heal)
-    assert {"--dtype", "--fp16", "--with-past", "--no-past", "--opset", "--target"} <= _flags(export)
+    assert {"--dtype", "--fp16", "--with-past", "--no-past", "--opset", "--target", "--quantize"} <= _flags(export)
     assert "--trust-remote-code" in _flags(export)
     dtype = next(p for p in main.get_command(None, "inspect").params if p.name == "load__dtype")
     assert list(dtype.type.choices) == list(DTYPE_NAMES)
@@ -84,6 +85,12 @@ def test_parsed_flags_build_the_options_object():
     kw = _parse("export", "SRC", "--onnx", "m.onnx", "--fp16", "--no-past")
     assert build(ExportOptions, kw, skip=("load.dtype",)) == ExportOptions(onnx="m.onnx", dtype="fp16",
                                                                           with_past=False)
+    kw = _parse("convert", "SRC", "-o", "OUT", "--to", "rmsnorm", "--method", "exact", "--rotate", "--rotate-method",
+                "random", "--seed", "3")
+    assert build(ConvertOptions, kw) == ConvertOptions(method="exact", rotate=True, rotate_method="random", seed=3,
+                                                       max_shard_size="50GB")
+    kw = _parse("export", "SRC", "-o", "OUT", "--quantize", "int8")
+    assert build(ExportOptions, kw, skip=("load.dtype",)).quantize == "int8"
 
 
 def test_load_options_take_every_dtype_name():

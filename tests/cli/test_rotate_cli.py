@@ -62,3 +62,49 @@ def test_bad_inputs_are_one_line_and_nothing_is_lost(folders, tmp_path):
     assert "no such folder" in one_error_line(run("rotate", tmp_path / "nope", "-o", tmp_path / "x"))
     assert "--seed" in one_error_line(run("rotate", conv, "-o", tmp_path / "x", "--seed", "two"), code=2)
     assert not (tmp_path / "x").exists()
+
+
+# ---- `normswap convert --method exact --rotate`: one run, one atomic output -------------------------------
+
+def test_convert_rotate_writes_a_rotated_folder_with_the_originals_outputs(folders, tmp_path):
+    original, src, conv = folders
+    result = run("convert", src, "--to", "rmsnorm", "--method", "exact", "--rotate", "--rotate-method", "random",
+                 "--seed", 3, "--device", "cpu", "-o", tmp_path / "r", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    rotation = out["rotation"]
+    assert rotation["method"] == "random" and rotation["seed"] == 3 and rotation["untied"] == ["lm_head.weight"]
+    assert rotation["streams"][0]["q"] == "random orthogonal" and rotation["verification"]["max_rel"] < 1e-4
+    assert out["parity"]["max_rel"] < 1e-4   # the rotated model against the original
+    section = json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]
+    assert section["rotations"] == [{"method": "random", "seed": 3, "widths": [32], "untied": ["lm_head.weight"]}]
+    rotated = normswap.from_pretrained(tmp_path / "r")
+    assert compare(original, rotated, padded_batches()).max_rel < 1e-5
+    plain = normswap.from_pretrained(conv)   # the same conversion, not rotated: other weights
+    assert not torch.allclose(plain.transformer.h[0].mlp.c_fc.weight, rotated.transformer.h[0].mlp.c_fc.weight,
+                              atol=1e-3)
+
+
+def test_convert_rotate_text_report_names_the_rotation(folders, tmp_path):
+    _, src, _ = folders
+    result = run("convert", src, "--to", "rmsnorm", "--method", "exact", "--rotate", "-o", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "rotated 1 stream(s) (hadamard, seed 0):" in result.output and "randomised Hadamard" in result.output
+
+
+def test_convert_rotate_refusals_are_one_line_and_write_nothing(folders, tmp_path):
+    _, src, _ = folders
+    out = tmp_path / "x"
+    assert "--rotate needs --method exact" in one_error_line(run("convert", src, "--to", "rmsnorm", "--rotate",
+                                                                 "-o", out))
+    assert "--rotate needs --to rmsnorm" in one_error_line(run("convert", src, "--to", "prmsnorm", "--method",
+                                                               "exact", "--rotate", "-o", out))
+    assert "--rotate-method is used only with --rotate" in one_error_line(
+        run("convert", src, "--to", "rmsnorm", "--rotate-method", "random", "-o", out))
+    assert "--seed is used only with --rotate" in one_error_line(run("convert", src, "--to", "rmsnorm", "--seed", 1,
+                                                                     "-o", out))
+    headless = tmp_path / "headless"
+    build("gpt2-headless").save_pretrained(headless)   # its final norm's output is the model's output
+    line = one_error_line(run("convert", headless, "--to", "rmsnorm", "--method", "exact", "--rotate", "-o", out))
+    assert "ln_f's output is read by the model output" in line
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["headless"]   # no temp folder left
