@@ -45,7 +45,7 @@ class RotationReport:
     method: str
     seed: int
     streams: list[dict] = field(default_factory=list)   # {width, q, norms, writers, readers}
-    untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head)
+    untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head, ...)
     added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
     unrotated: dict[str, str] = field(default_factory=dict)   # norm -> what stays unrotated (a d x d matmul)
     not_preserved: dict[str, str] = field(default_factory=dict)
@@ -61,7 +61,8 @@ class RotationReport:
         lines = [f"rotated {len(self.streams)} stream(s) ({self.method}, seed {self.seed}):"]
         lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
                   f"{len(s['readers'])} readers" for s in self.streams]
-        lines += [f"  untied {name} (a tied LM head reads the rotated stream)" for name in self.untied]
+        lines += [f"  untied {name} (a tie the config no longer makes: the LM head reads the rotated stream)"
+                  for name in self.untied]
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
         lines += [f"  unrotated: {name} ({why})" for name, why in self.unrotated.items()]
         lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
@@ -139,11 +140,27 @@ def _untie(model: nn.Module, found: Streams) -> list[str]:
             if counts.get(id(layer.weight), 1) > 1:
                 layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=layer.weight.requires_grad)
                 untied.append(f"{r}.weight")
+    switched = False
     if untied and has_config(model):
         for config in (model.config, getattr(model.config, "get_text_config", lambda: None)()):
             if getattr(config, "tie_word_embeddings", False):
-                config.tie_word_embeddings = False
-    return untied
+                config.tie_word_embeddings, switched = False, True
+    # transformers ties more than the head by that flag (mBART's encoder and decoder embeddings to `shared`): off,
+    # loading would leave those names missing, so each gets its own copy (stored once more in the folder)
+    return untied + (_untie_shared(model) if switched else [])
+
+
+def _untie_shared(model: nn.Module) -> list[str]:
+    """A copy of each parameter for every module but the first that shares it (a module reached under two names
+    stays one); their names."""
+    first: dict[int, str] = {}
+    names = []
+    for name, module in model.named_modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            if first.setdefault(id(p), name) != name:
+                setattr(module, key, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                names.append(f"{name}.{key}" if name else key)
+    return names
 
 
 def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
