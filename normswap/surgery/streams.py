@@ -216,15 +216,15 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
 def _check_writing(t: Trace, writing: set[str], sources: dict[str, set[Label]]) -> None:
     """A norm writing a stream reads an unrotated input and writes a rotated stream's: NotRotatable where its
     input is also part of a rotated stream, or its output is normalised again only by norms writing a stream."""
-    rotated = {lb: n for n, labels in sorted(sources.items()) for lb in labels}
+    read_by = {lb: n for n, labels in sorted(sources.items()) for lb in labels}   # a rotated source -> a norm
     for w in sorted(writing):
         if not set(t.fed_norms[Label("norm", w)]) - writing:
             raise NotRotatable(f"{w}'s output is normalised again by {sorted(t.fed_norms[Label('norm', w)])[0]}, "
                                "which writes a stream too: stacked norms are not rotated")
-        shared = sorted({lb for call in t.calls.get(w, []) for lb in call.sources} & set(rotated))
-        for lb in shared[:1]:
-            raise NotRotatable(f"{lb.ref} is read by {w}, which writes a stream from an unrotated input, and by "
-                               f"{rotated[lb]}, whose stream is rotated: it cannot be both")
+        shared = sorted({lb for call in t.calls.get(w, []) for lb in call.sources} & set(read_by))
+        if shared:
+            raise NotRotatable(f"{shared[0].ref} is read by {w}, which writes a stream from an unrotated input, and "
+                               f"by {read_by[shared[0]]}, whose stream is rotated: it cannot be both")
 
 
 def _width(norm: nn.Module, name: str) -> int:
