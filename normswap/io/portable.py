@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 FORMAT = 2  # 2: adds `base` and `checksum`; format 1 folders (no checksum) cannot be trusted
-MATRIX_FORMAT = 3  # 3: an output fix may multiply by a matrix (a rotation's): format 2 readers refuse it
+MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")  # 3: fixes multiply by matrices (a rotation's): 2 refuses
 NORM_TYPES = ("rmsnorm", "prmsnorm")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -165,9 +165,9 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     for name, spec in fixes.items():
         ctx = f"output_fixes[{name!r}]"
         _get(where, spec, "centre", bool, ctx)   # first: spec is an object; then no key is ignored
-        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + ("matrix",) * (fmt == MATRIX_FORMAT)]:
+        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt == MATRIX_FORMAT)]:
             _fail(where, f"{ctx}.{unknown[0]} is not in format {fmt} (a newer normswap's?): the model would differ")
-        if _get(where, spec, "bias", int, ctx) < 0 or "matrix" in spec and _get(where, spec, "matrix", int, ctx) < 0:
+        if any(_get(where, spec, k, int, ctx) < 0 for k in ("bias", *MATRICES) if k in spec or k == "bias"):
             _fail(where, f"{ctx}: the bias and matrix widths must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
@@ -187,12 +187,6 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
                 also = f" (nor '{renamed[name]}')" if name in renamed else ""
                 _fail(where, f"names module '{name}'{also}, which the {type(model).__name__} model does not have")
     return section
-
-
-def section_format(section: dict) -> int:
-    """The format to save `section` as: 3 where an output fix has a matrix (a format 2 reader would skip it and
-    load another model), else 2 (which older readers load)."""
-    return MATRIX_FORMAT if any(s.get("matrix") for s in section.get("output_fixes", {}).values()) else FORMAT
 
 
 def module_names(section: dict) -> list[str]:
@@ -317,8 +311,7 @@ def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None,
 
 
 def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    return fixed(out, module.normswap_centre, getattr(module, "normswap_bias", None),
-                 getattr(module, "normswap_matrix", None))
+    return fixed(out, module.normswap_centre, *(getattr(module, f"normswap_{k}", None) for k in ("bias", "matrix")))
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
@@ -328,12 +321,8 @@ def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = 
     side x side `normswap_matrix` (for loading: the weights fill them)."""
     if hasattr(module, "normswap_centre"):
         raise ValueError("module already has an output fix")
-    ref = next(module.parameters(), None)
-    kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
-    for attr, value in (("normswap_bias", torch.zeros(width) if bias is None and width else bias),
-                        ("normswap_matrix", torch.zeros(side, side) if matrix is None and side else matrix)):
-        if value is not None:
-            setattr(module, attr, nn.Parameter(value.detach().to(**kw).clone()))
+    _own(module, "normswap_bias", torch.zeros(width) if bias is None and width else bias)
+    _own(module, "normswap_matrix", torch.zeros(side, side) if matrix is None and side else matrix)
     module.normswap_centre = bool(centre)
     module.register_forward_hook(_fix_output)
 
@@ -348,16 +337,27 @@ def first_input(module: nn.Module, args, kwargs) -> str | int | None:
     return min(keys, key=lambda k: order.index(k) if k in order else len(order), default=None)
 
 
+def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
+    """`value` (unless None) as the module's parameter `attr`, in its first parameter's dtype and device."""
+    ref = next(module.parameters(), value)
+    if value is not None:
+        setattr(module, attr, nn.Parameter(value.detach().to(ref.device, ref.dtype).clone()))
+
+
 def centre_input(module: nn.Module, args, kwargs):
-    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`)."""
-    key = first_input(module, args, kwargs)
-    return ((centred(args[0]), *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: centred(kwargs[key])})
+    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
+    multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
+    key, m = first_input(module, args, kwargs), getattr(module, "normswap_input_matrix", None)
+    x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
+    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
 
 
-def add_input_fix(module: nn.Module) -> None:
-    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity)."""
+def add_input_fix(module: nn.Module, side: int = 0) -> None:
+    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity); side>0
+    creates a zero side x side `normswap_input_matrix` to multiply it by (for loading: the weights fill it)."""
     if getattr(module, "normswap_centre_input", False):
         raise ValueError("module already has an input fix")
+    _own(module, "normswap_input_matrix", torch.zeros(side, side) if side else None)
     module.normswap_centre_input = True
     module.register_forward_pre_hook(centre_input, with_kwargs=True)
 
@@ -384,7 +384,7 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
         ensure_bias(model.get_submodule(name))
     for name, spec in section.get("output_fixes", {}).items():
         if spec.get("input"):
-            add_input_fix(model.get_submodule(name))
+            add_input_fix(model.get_submodule(name), spec.get("input_matrix", 0))
         if spec["centre"] or spec["bias"] or spec.get("matrix"):
             add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"], side=spec.get("matrix", 0))
 

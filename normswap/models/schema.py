@@ -19,8 +19,10 @@ FORMAT = portable.FORMAT
 
 
 def section_format(section: dict) -> int:
-    """The format to save `section` as: 3 where an output fix has a matrix (older readers refuse it), else 2."""
-    return portable.section_format(section)
+    """The format to save `section` as: 3 where a fix has a matrix (a format 2 reader, which ignored keys it did
+    not know, would load another model: it refuses format 3), else 2 (which older readers load too)."""
+    fixes = section.get("output_fixes", {}).values()
+    return portable.MATRIX_FORMAT if any(s.get(k) for s in fixes for k in portable.MATRICES) else FORMAT
 
 
 def validate(section, where: str, model: nn.Module | None = None) -> dict:

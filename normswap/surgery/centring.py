@@ -21,4 +21,7 @@ def describe_fix(module: nn.Module) -> dict:
     bias, matrix = getattr(module, "normswap_bias", None), getattr(module, "normswap_matrix", None)
     spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
     spec.update({"matrix": int(matrix.shape[0])} if matrix is not None else {})   # a rotation's (format 3)
-    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec
+    if not getattr(module, "normswap_centre_input", False):
+        return spec
+    m = getattr(module, "normswap_input_matrix", None)
+    return {**spec, "input": True, **({"input_matrix": int(m.shape[0])} if m is not None else {})}

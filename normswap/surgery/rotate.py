@@ -10,13 +10,14 @@ multiplying by a d x d matrix M instead (listed as `unrotated`): a norm whose ou
 linear layers (returned: GPT2Model's ln_f, mBART's encoder final norm; read by an attention module) keeps it
 unrotated, M = Qᵀ·diag(g) (its linear readers, mBART's cross-attention, are left as they are); a norm writing
 the stream (BLOOM's and mBART's embedding norms) keeps its input (the embeddings) unrotated, M = diag(g)·Q and
-its kept bias b becomes bQ. Its centring, if any, goes into M too and its gain is set to 1. What the streams
-are, and what is refused, comes from the trace the exact plan uses (`streams`). A tied LM head reads the final
-norm while its embedding writes the stream: it is untied (the report lists it; the folder then stores both). A
-tied embedding centred at lookup by the conversion's output fix gets the centring moved into its (untied)
-weights. Arithmetic in float64, stored in the model's dtype; the rotated model is verified against its outputs
-before the edits, on the sample (and example) inputs, as `convert` verifies; a failure leaves the model edited
-(discard it).
+its kept bias b becomes bQ. Its centring, if any, goes into M too and its gain is set to 1. An opaque value
+entering the stream (Whisper's encoder: after a GELU) is multiplied by Q in the input fix that centres it
+(listed too). What the streams are, and what is refused, comes from the trace the exact plan uses
+(`streams`). A tied LM head reads the final norm while its embedding writes the stream: it is untied (the
+report lists it; the folder then stores both). A tied embedding centred at lookup by the conversion's output
+fix gets the centring moved into its (untied) weights. Arithmetic in float64, stored in the model's dtype;
+the rotated model is verified against its outputs before the edits, on the sample (and example) inputs, as
+`convert` verifies; a failure leaves the model edited (discard it).
 """
 from __future__ import annotations
 
@@ -201,11 +202,13 @@ def _fold_kept_biases(model: nn.Module, s: Stream) -> list[str]:
 
 
 def _unrotated(s: Stream) -> dict[str, str]:
-    """What the stream's matrix fixes keep unrotated, per norm (the report's `unrotated`)."""
-    d = f"a {s.width} x {s.width} matmul after it"
-    out = {n: f"its output stays unrotated, read by {who}: {d}" for n, who in s.kept.items()}
-    return {**out, **{w.target: f"its input stays unrotated, its output writes the stream: {d}"
-                      for w in s.writers if w.norm}}
+    """What the stream's matrix fixes keep unrotated, per norm or block (the report's `unrotated`)."""
+    d = f"a {s.width} x {s.width} matmul"
+    out = {n: f"its output stays unrotated, read by {who}: {d} after it" for n, who in s.kept.items()}
+    out.update({w.target: f"its input stays unrotated, its output writes the stream: {d} after it"
+                for w in s.writers if w.norm})
+    return {**out, **{w.target: f"the opaque value entering the stream at its input stays unrotated: {d} in its "
+                                 "input fix" for w in s.writers if w.entry}}
 
 
 @torch.no_grad()
@@ -244,8 +247,14 @@ def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
     for w in s.writers:
         if w.norm:
             _matrix_fix(model, w.target, s.width, r_out=q)
-            continue
-        _rotate_writer(model, w, q, done)
+        elif w.entry:   # its input fix centres the value entering the stream, then multiplies it by M <- M·Q
+            block = model.get_submodule(w.target)
+            m = getattr(block, "normswap_input_matrix", None)
+            m = q if m is None else m.detach().double().cpu() @ q
+            ref = next(p for p in model.parameters() if p.is_floating_point())
+            block.normswap_input_matrix = nn.Parameter(m.to(ref.device, ref.dtype))
+        else:
+            _rotate_writer(model, w, q, done)
     done = set()   # a layer both reading a norm and writing the stream gets both edits
     for r, norm in sorted(s.readers.items()):
         layer = model.get_submodule(r)

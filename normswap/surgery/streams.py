@@ -8,18 +8,19 @@ what its input is a sum of (`trace`); norms that share a source, or a reader, re
 norm get a d x d matrix after them instead (an output fix): one whose output is read other than by linear
 layers (the model output, an attention module, an activation) keeps its output unrotated (`Stream.kept`: its
 linear readers, if any, are left as they are), and one that writes the stream (BLOOM's and mBART's embedding
-norms: `Writer.norm`) reads an unrotated input and rotates its output.
+norms: `Writer.norm`) reads an unrotated input and rotates its output. An opaque value entering the stream
+(Whisper's encoder, after a GELU) is rotated by the block input fix that centres it, with a matrix too.
 
 Refused, naming the part (`Refusal`): a LayerNorm left (convert exactly first), a pRMSNorm (its RMS of a few
 features does not commute with Q), a norm another library defines (its gain is not known to be a plain
 weight), a norm that did not run or whose input is not a plain sum, a per-head norm (it normalises groups of
 a layer's output), a norm writing the stream whose output is also read (by the model output, a layer) or
 normalised again by a norm writing a stream, or whose input is also part of a rotated stream, an opaque value
-writing the stream, a writer also read unnormalised (a head reading the raw stream), a writer no weight edit
-can rotate (a grouped convolution, a non-constant per-channel scale), a bias kept after a writer, a centred
-input. A bias the conversion kept after a norm (its output is also returned, as CLIP's text tower's) is folded
-into its (linear) readers instead. A tuple or sub-model output holding the stream (`hidden_states`) is returned
-rotated: listed as not preserved, as the exact conversion lists it.
+writing the stream without an input fix, a writer also read unnormalised (a head reading the raw stream), a
+writer no weight edit can rotate (a grouped convolution, a non-constant per-channel scale), a bias kept after
+a writer, a centred input. A bias the conversion kept after a norm (its output is also returned, as CLIP's
+text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the stream
+(`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
 """
 from __future__ import annotations
 
@@ -45,11 +46,13 @@ class NotRotatable(NormswapError):
 class Writer:
     """A stream writer: `target` a module, or PARAM + a parameter's name whose dim `axis` holds the channels;
     `centre`: its output is centred by an output fix, which the rotation moves into its weights; `norm`: a norm
-    (its input is not rotated; an output fix multiplies its output by Q)."""
+    (its input is not rotated; an output fix multiplies its output by Q); `entry`: a block whose input fix
+    centres an opaque value entering the stream (Whisper's encoder: it multiplies it by Q too)."""
     target: str
     axis: int = -1
     centre: bool = False
     norm: bool = False
+    entry: bool = False
 
 
 @dataclass
@@ -140,8 +143,10 @@ def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
                                "the stream: only a stream read through norms can be rotated")
         return Writer(label.name, norm=True)
     if label.kind == "entry":
-        raise NotRotatable(f"an opaque value enters the stream at {label.name} (centred at its input): no weight "
-                           "edit rotates it")
+        if not getattr(model.get_submodule(label.name), "normswap_centre_input", False):
+            raise NotRotatable(f"an opaque value enters the stream at {label.name} without an input fix: nothing "
+                               "rotates it")
+        return Writer(label.name, entry=True)
     if label in t.scales:   # a per-channel scale (folded into its layer by the conversion): constant, or refused
         target = PARAM + label.ref if label.kind == "scale" else label.name
         lam = scale_parameter(model, target).detach()

@@ -10,6 +10,7 @@ import torch
 
 import normswap
 from normswap.io import portable
+from normswap.models import schema
 
 from helpers.export_models import converted as naive_conversion
 
@@ -62,9 +63,11 @@ def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
     an unknown key is refused in every format rather than ignored (the model would be another)."""
     normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
     section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
-    assert section["format"] == 2 == portable.section_format(section)   # no matrix: older readers load it
+    assert section["format"] == 2 == schema.section_format(section)   # no matrix: older readers load it
     matrix = {**section, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "matrix": 32}}}
-    assert portable.section_format(matrix) == 3
+    assert schema.section_format(matrix) == 3
+    assert schema.section_format({"output_fixes": {"h.0": {"centre": False, "bias": 0, "input": True,
+                                                           "input_matrix": 32}}}) == 3
     portable.validate({**matrix, "format": 3}, "m")
     with pytest.raises(portable.InvalidConversion, match=r"output_fixes\['transformer.ln_f'\]\.matrix is not in "
                                                           r"format 2 \(a newer normswap's\?\)"):
@@ -77,6 +80,7 @@ def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
 
 
 def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
+    """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
     layer = torch.nn.Linear(4, 4)
     m, b = torch.randn(4, 4), torch.randn(4)
     portable.add_output_fix(layer, True, b, matrix=m)
@@ -88,3 +92,7 @@ def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
     fresh = torch.nn.Linear(4, 4)   # as loading builds it: zeros the weights fill
     portable.add_output_fix(fresh, False, width=4, side=4)
     assert fresh.normswap_matrix.shape == (4, 4) and not fresh.normswap_matrix.any()
+    block = torch.nn.Identity()   # an input fix: centred, then times its matrix (a rotated entry)
+    portable.add_input_fix(block, side=4)
+    block.normswap_input_matrix.data.copy_(m)
+    torch.testing.assert_close(block(x), (x - x.mean(-1, keepdim=True)) @ m)
