@@ -8,9 +8,9 @@ transformers, lazily), never normswap; a test fails if the shipped copy differs 
 
 - `validate`, `verify_checksum`: config.json's `normswap` section (types, ranges, named modules) and its
   checksum: of the section itself and of the headers of the weights files transformers loads (`weights_files`).
-- `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch
-  `build_norm` below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast
-  kernels for the same arithmetic, held equal by a test), the added biases, the output and input fixes.
+- `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch `build_norm`
+  below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast kernels for the same
+  arithmetic, held equal by a test), the added biases, the output fixes (centre, matrix, bias) and input fixes.
 - `shipped.py` follows this file in modeling_normswap.py: the transformers side (`NormswapMixin`).
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 FORMAT = 2  # 2: adds `base` and `checksum`; format 1 folders (no checksum) cannot be trusted
+MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")  # 3: fixes multiply by matrices (a rotation's): 2 refuses
 NORM_TYPES = ("rmsnorm", "prmsnorm")
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -145,9 +146,10 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     if not isinstance(section, dict):
         _fail(where, "it must be an object")
     fmt = section.get("format")
-    if fmt != FORMAT:
-        raise InvalidConversion(f"{where}: normswap format {fmt!r} is not supported (this version reads format "
-                                f"{FORMAT}){'; convert the original model again' if fmt == 1 else ''}")
+    if fmt not in (FORMAT, MATRIX_FORMAT):
+        again = "; convert the original model again" if fmt == 1 else ""
+        raise InvalidConversion(f"{where}: normswap format {fmt!r} is not supported (this version reads formats "
+                                f"{FORMAT} and {MATRIX_FORMAT}){again}")
     base = _get(where, section, "base", dict, "section")
     for key in ("architecture", "model_type"):
         _get(where, base, key, str, "base")
@@ -162,9 +164,11 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
         _fail(where, "output_fixes must be an object")
     for name, spec in fixes.items():
         ctx = f"output_fixes[{name!r}]"
-        _get(where, spec, "centre", bool, ctx)
-        if _get(where, spec, "bias", int, ctx) < 0:
-            _fail(where, f"{ctx}.bias must be >= 0")
+        _get(where, spec, "centre", bool, ctx)   # first: spec is an object; then no key is ignored
+        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt == MATRIX_FORMAT)]:
+            _fail(where, f"{ctx}.{unknown[0]} is not in format {fmt} (a newer normswap's?): the model would differ")
+        if any(_get(where, spec, k, int, ctx) < 0 for k in ("bias", *MATRICES) if k in spec or k == "bias"):
+            _fail(where, f"{ctx}: the bias and matrix widths must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
     kept = section.get("not_preserved", {})
@@ -298,26 +302,27 @@ def centred(x: torch.Tensor) -> torch.Tensor:
     return x - x.float().mean(-1, keepdim=True).to(x.dtype)
 
 
-def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None) -> torch.Tensor:
-    """What an output fix returns for `out`: centred if `centre`, plus `bias` if given."""
+def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None,
+          matrix: torch.Tensor | None = None) -> torch.Tensor:
+    """What an output fix returns for `out`: centred if `centre`, times `matrix` if given, plus `bias` if given."""
     out = centred(out) if centre else out
+    out = out if matrix is None else out @ matrix.to(out.dtype)
     return out if bias is None else out + bias
 
 
 def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    return fixed(out, module.normswap_centre, getattr(module, "normswap_bias", None))
+    return fixed(out, module.normswap_centre, *(getattr(module, f"normswap_{k}", None) for k in ("bias", "matrix")))
 
 
-def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0) -> None:
-    """Make `module` return centre(out) + bias (a forward hook: the module, its parameter names and any tying
-    stay). bias=None with width>0 creates a zero bias `normswap_bias` (for loading: the weights fill it)."""
+def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
+                   matrix: torch.Tensor | None = None, side: int = 0) -> None:
+    """Make `module` return centre(out) @ matrix + bias (a forward hook: the module, its parameter names and any
+    tying stay). bias=None with width>0 creates a zero bias `normswap_bias`, matrix=None with side>0 a zero
+    side x side `normswap_matrix` (for loading: the weights fill them)."""
     if hasattr(module, "normswap_centre"):
         raise ValueError("module already has an output fix")
-    bias = torch.zeros(width) if bias is None and width else bias
-    if bias is not None:
-        ref = next(module.parameters(), None)
-        kw = dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}
-        module.normswap_bias = nn.Parameter(bias.detach().to(**kw).clone())
+    _own(module, "normswap_bias", torch.zeros(width) if bias is None and width else bias)
+    _own(module, "normswap_matrix", torch.zeros(side, side) if matrix is None and side else matrix)
     module.normswap_centre = bool(centre)
     module.register_forward_hook(_fix_output)
 
@@ -332,16 +337,27 @@ def first_input(module: nn.Module, args, kwargs) -> str | int | None:
     return min(keys, key=lambda k: order.index(k) if k in order else len(order), default=None)
 
 
+def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
+    """`value` (unless None) as the module's parameter `attr`, in its first parameter's dtype and device."""
+    ref = next(module.parameters(), value)
+    if value is not None:
+        setattr(module, attr, nn.Parameter(value.detach().to(ref.device, ref.dtype).clone()))
+
+
 def centre_input(module: nn.Module, args, kwargs):
-    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`)."""
-    key = first_input(module, args, kwargs)
-    return ((centred(args[0]), *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: centred(kwargs[key])})
+    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
+    multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
+    key, m = first_input(module, args, kwargs), getattr(module, "normswap_input_matrix", None)
+    x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
+    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
 
 
-def add_input_fix(module: nn.Module) -> None:
-    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity)."""
+def add_input_fix(module: nn.Module, side: int = 0) -> None:
+    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity); side>0
+    creates a zero side x side `normswap_input_matrix` to multiply it by (for loading: the weights fill it)."""
     if getattr(module, "normswap_centre_input", False):
         raise ValueError("module already has an input fix")
+    _own(module, "normswap_input_matrix", torch.zeros(side, side) if side else None)
     module.normswap_centre_input = True
     module.register_forward_pre_hook(centre_input, with_kwargs=True)
 
@@ -368,9 +384,9 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
         ensure_bias(model.get_submodule(name))
     for name, spec in section.get("output_fixes", {}).items():
         if spec.get("input"):
-            add_input_fix(model.get_submodule(name))
-        if spec["centre"] or spec["bias"]:
-            add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"])
+            add_input_fix(model.get_submodule(name), spec.get("input_matrix", 0))
+        if spec["centre"] or spec["bias"] or spec.get("matrix"):
+            add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"], side=spec.get("matrix", 0))
 
 
 def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: bool = False) -> None:

@@ -62,8 +62,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     with atomic_dir(out, overwrite, lock) as tmp:
         safetensors.save_model(model, tmp, max_shard_size, tensors, saved)  # tied tensors once, restored by loading
         if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
-            section.update(format=schema.FORMAT, base={"architecture": type(model).__name__,
-                                                       "model_type": model.config.model_type})
+            section.update(format=schema.section_format(section),
+                           base={"architecture": type(model).__name__, "model_type": model.config.model_type})
             section.pop("renamed", None)
             if renamed := renamed_modules(saved):
                 section["renamed"] = renamed
@@ -97,7 +97,8 @@ def module_record(model: nn.Module) -> dict:
     record = module_section(model)
     if record is None:
         record = {"norms": {}, "added_biases": [], "output_fixes": {}, "conversions": []}
-    record.update(format=schema.FORMAT, base={"architecture": qualified_name(type(model)), "model_type": MODULE_TYPE})
+    record.update(format=schema.section_format(record), base={"architecture": qualified_name(type(model)),
+                                                              "model_type": MODULE_TYPE})
     return record
 
 

@@ -1,5 +1,5 @@
-"""Output fixes: centre a module's output over the last dim and/or add a bias after it (input fixes:
-centre the first input of a block instead).
+"""Output fixes: centre a module's output over the last dim, multiply it by a matrix (a rotation's) and/or add
+a bias after it (input fixes: centre the first input of a block instead).
 
 The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
 embedding norm, a headless model's final norm, Whisper's encoder stream; see `exact`). They are forward
@@ -18,6 +18,10 @@ __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "f
 def describe_fix(module: nn.Module) -> dict:
     """What the section's `output_fixes` records for a module the fixes above were put on (the shipped file
     only applies them)."""
-    bias = getattr(module, "normswap_bias", None)
+    bias, matrix = getattr(module, "normswap_bias", None), getattr(module, "normswap_matrix", None)
     spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
-    return {**spec, "input": True} if getattr(module, "normswap_centre_input", False) else spec
+    spec.update({"matrix": int(matrix.shape[0])} if matrix is not None else {})   # a rotation's (format 3)
+    if not getattr(module, "normswap_centre_input", False):
+        return spec
+    m = getattr(module, "normswap_input_matrix", None)
+    return {**spec, "input": True, **({"input_matrix": int(m.shape[0])} if m is not None else {})}

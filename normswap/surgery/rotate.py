@@ -5,12 +5,19 @@ the model quantizes better.
 With h the stream (a row) and h' = hQ: each norm's gain g is folded into the linear layers reading it and set
 to 1; every writer's output is multiplied by Q (Linear W <- QᵀW, b <- Qᵀb; GPT-2's Conv1D, embeddings and
 parameters added to the stream along their channels); every reader's input by Q (W <- W·diag(g)·Q). Then
-RMSNorm(h') = RMSNorm(h)Q and every reader computes what it did. What the streams are, and what is refused,
-comes from the trace the exact plan uses (`streams`). A tied LM head reads the final norm while its embedding
-writes the stream: it is untied (the report lists it; the folder then stores both). A tied embedding centred
-at lookup by the conversion's output fix gets the centring moved into its (untied) weights. Arithmetic in
-float64, stored in the model's dtype; the rotated model is verified against its outputs before the edits, on
-the sample (and example) inputs, as `convert` verifies; a failure leaves the model edited (discard it).
+RMSNorm(h') = RMSNorm(h)Q and every reader computes what it did. Two kinds of norm get an output fix
+multiplying by a d x d matrix M instead (listed as `unrotated`): a norm whose output is read other than by
+linear layers (returned: GPT2Model's ln_f, mBART's encoder final norm; read by an attention module) keeps it
+unrotated, M = Qᵀ·diag(g) (its linear readers, mBART's cross-attention, are left as they are); a norm writing
+the stream (BLOOM's and mBART's embedding norms) keeps its input (the embeddings) unrotated, M = diag(g)·Q and
+its kept bias b becomes bQ. Its centring, if any, goes into M too and its gain is set to 1. An opaque value
+entering the stream (Whisper's encoder: after a GELU) is multiplied by Q in the input fix that centres it
+(listed too). What the streams are, and what is refused, comes from the trace the exact plan uses
+(`streams`). A tied LM head reads the final norm while its embedding writes the stream: it is untied (the
+report lists it; the folder then stores both). A tied embedding centred at lookup by the conversion's output
+fix gets the centring moved into its (untied) weights. Arithmetic in float64, stored in the model's dtype;
+the rotated model is verified against its outputs before the edits, on the sample (and example) inputs, as
+`convert` verifies; a failure leaves the model edited (discard it).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from normswap.models.inputs.examples import NoInputs, check_examples, model_inpu
 from normswap.models.section import has_config, section, set_section
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
+from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.orthogonal import METHODS, rotation
 from normswap.surgery.plan import PARAM
 from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
@@ -38,8 +46,9 @@ class RotationReport:
     method: str
     seed: int
     streams: list[dict] = field(default_factory=list)   # {width, q, norms, writers, readers}
-    untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head)
+    untied: list[str] = field(default_factory=list)     # parameters given their own copy (a tied LM head, ...)
     added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
+    unrotated: dict[str, str] = field(default_factory=dict)   # norm -> what stays unrotated (a d x d matmul)
     not_preserved: dict[str, str] = field(default_factory=dict)
     verification: dict | None = None
 
@@ -53,8 +62,10 @@ class RotationReport:
         lines = [f"rotated {len(self.streams)} stream(s) ({self.method}, seed {self.seed}):"]
         lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
                   f"{len(s['readers'])} readers" for s in self.streams]
-        lines += [f"  untied {name} (a tied LM head reads the rotated stream)" for name in self.untied]
+        lines += [f"  untied {name} (a tie the config no longer makes: the LM head reads the rotated stream)"
+                  for name in self.untied]
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
+        lines += [f"  unrotated: {name} ({why})" for name, why in self.unrotated.items()]
         lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
         if self.verification:
             lines.append(f"  parity vs before: max relative error {self.verification['max_rel']:.3e} "
@@ -99,6 +110,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         _rotate_stream(model, s, q)
         report.streams.append({"width": s.width, "q": what, "norms": s.norms,
                                "writers": [w.target for w in s.writers], "readers": sorted(s.readers)})
+        report.unrotated.update(_unrotated(s))
     _record(model, report, found)
     report.verification = _verify(reference, model)
     return report
@@ -129,11 +141,27 @@ def _untie(model: nn.Module, found: Streams) -> list[str]:
             if counts.get(id(layer.weight), 1) > 1:
                 layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=layer.weight.requires_grad)
                 untied.append(f"{r}.weight")
+    switched = False
     if untied and has_config(model):
         for config in (model.config, getattr(model.config, "get_text_config", lambda: None)()):
             if getattr(config, "tie_word_embeddings", False):
-                config.tie_word_embeddings = False
-    return untied
+                config.tie_word_embeddings, switched = False, True
+    # transformers ties more than the head by that flag (mBART's encoder and decoder embeddings to `shared`): off,
+    # loading would leave those names missing, so each gets its own copy (stored once more in the folder)
+    return untied + (_untie_shared(model) if switched else [])
+
+
+def _untie_shared(model: nn.Module) -> list[str]:
+    """A copy of each parameter for every module but the first that shares it (a module reached under two names
+    stays one); their names."""
+    first: dict[int, str] = {}
+    names = []
+    for name, module in model.named_modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            if first.setdefault(id(p), name) != name:
+                setattr(module, key, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+                names.append(f"{name}.{key}" if name else key)
+    return names
 
 
 def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
@@ -173,11 +201,60 @@ def _fold_kept_biases(model: nn.Module, s: Stream) -> list[str]:
     return added
 
 
+def _unrotated(s: Stream) -> dict[str, str]:
+    """What the stream's matrix fixes keep unrotated, per norm or block (the report's `unrotated`)."""
+    d = f"a {s.width} x {s.width} matmul"
+    out = {n: f"its output stays unrotated, read by {who}: {d} after it" for n, who in s.kept.items()}
+    out.update({w.target: f"its input stays unrotated, its output writes the stream: {d} after it"
+                for w in s.writers if w.norm})
+    return {**out, **{w.target: f"the opaque value entering the stream at its input stays unrotated: {d} in its "
+                                 "input fix" for w in s.writers if w.entry}}
+
+
+@torch.no_grad()
+def _matrix_fix(model: nn.Module, name: str, width: int, r_in: torch.Tensor | None = None,
+                r_out: torch.Tensor | None = None) -> None:
+    """Norm `name` returns what it did (times r_out): its gain, centring and matrix M0 (a rotation before) moved
+    into an output fix's matrix M = r_inᵀ·diag(g)·C·M0·r_out (r_in: the rotation of what it reads, r_out: of what
+    it writes; None: none), its kept bias b into b·r_out, its gain set to 1."""
+    norm = model.get_submodule(name)
+    m = torch.diag(gain(norm, width))
+    if getattr(norm, "normswap_centre", False):
+        m = m - m.mean(1, keepdim=True)   # diag(g)·C, C = I - 11ᵀ/d: centring is linear
+    before = getattr(norm, "normswap_matrix", None)
+    m = m if before is None else m @ before.detach().double().cpu()
+    m = m if r_in is None else r_in.cpu().T @ m
+    m = m if r_out is None else m @ r_out.cpu()
+    bias, weight = getattr(norm, "normswap_bias", None), getattr(norm, "weight", None)
+    ref = next(p for p in (weight, bias, *model.parameters()) if p is not None and p.is_floating_point())
+    m = m.to(ref.device, ref.dtype)
+    if not hasattr(norm, "normswap_centre"):
+        add_output_fix(norm, False, matrix=m)
+    else:   # the conversion's fix: its hook reads these attributes at each call
+        norm.normswap_centre = False
+        norm.normswap_matrix = nn.Parameter(m)
+        if bias is not None and r_out is not None:
+            bias.copy_((bias.double() @ r_out.to(bias.device)).to(bias.dtype))
+    if weight is not None:
+        weight.fill_(1.0)
+
+
 @torch.no_grad()
 def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
+    for n in s.kept:   # before its gain is set to 1 below
+        _matrix_fix(model, n, s.width, r_in=q)
     done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
     for w in s.writers:
-        _rotate_writer(model, w, q, done)
+        if w.norm:
+            _matrix_fix(model, w.target, s.width, r_out=q)
+        elif w.entry:   # its input fix centres the value entering the stream, then multiplies it by M <- M·Q
+            block = model.get_submodule(w.target)
+            m = getattr(block, "normswap_input_matrix", None)
+            m = q if m is None else m.detach().double().cpu() @ q
+            ref = next(p for p in model.parameters() if p.is_floating_point())
+            block.normswap_input_matrix = nn.Parameter(m.to(ref.device, ref.dtype))
+        else:
+            _rotate_writer(model, w, q, done)
     done = set()   # a layer both reading a norm and writing the stream gets both edits
     for r, norm in sorted(s.readers.items()):
         layer = model.get_submodule(r)
@@ -202,9 +279,10 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     moved = {w.target for s in found.streams for w in s.writers if w.centre} | \
         {n for s in found.streams for n in s.biased}   # now in the weights
     fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
+    fixes.update({n: describe_fix(model.get_submodule(n)) for n in report.unrotated})   # their matrices
     rotations = record.get("rotations", []) + [{"method": report.method, "seed": report.seed,
                                                 "widths": [s["width"] for s in report.streams],
-                                                "untied": report.untied}]
+                                                "untied": report.untied, "unrotated": sorted(report.unrotated)}]
     new = {**record, "output_fixes": fixes, "rotations": rotations,
            "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}
     if report.not_preserved:

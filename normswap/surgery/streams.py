@@ -4,17 +4,23 @@ A model whose norms are all RMSNorms is invariant under an orthogonal Q of each 
 = RMSNorm(x)Q (‖xQ‖ = ‖x‖), once a norm's gain g is folded into the linear layers reading it. So a stream
 can be rotated when everything that writes it is a layer (or a parameter) whose output can be multiplied by Q,
 and everything that reads it is a norm whose output only linear layers read (`Stream`). A norm's sources are
-what its input is a sum of (`trace`); norms that share a source, or a reader, read one stream.
+what its input is a sum of (`trace`); norms that share a source, or a reader, read one stream. Two kinds of
+norm get a d x d matrix after them instead (an output fix): one whose output is read other than by linear
+layers (the model output, an attention module, an activation) keeps its output unrotated (`Stream.kept`: its
+linear readers, if any, are left as they are), and one that writes the stream (BLOOM's and mBART's embedding
+norms: `Writer.norm`) reads an unrotated input and rotates its output. An opaque value entering the stream
+(Whisper's encoder, after a GELU) is rotated by the block input fix that centres it, with a matrix too.
 
 Refused, naming the part (`Refusal`): a LayerNorm left (convert exactly first), a pRMSNorm (its RMS of a few
 features does not commute with Q), a norm another library defines (its gain is not known to be a plain
 weight), a norm that did not run or whose input is not a plain sum, a per-head norm (it normalises groups of
-a layer's output), a norm's output read other than by a linear layer (the model output, an attention module,
-an activation), a norm or an opaque value writing the stream, a writer also read unnormalised (a head reading
-the raw stream), a writer no weight edit can rotate (a grouped convolution, a non-constant per-channel
-scale), a bias kept after a writer, a centred input. A bias the conversion kept after a norm (its output is also
-returned, as CLIP's text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the
-stream (`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
+a layer's output), a norm writing the stream whose output is also read (by the model output, a layer) or
+normalised again by a norm writing a stream, or whose input is also part of a rotated stream, an opaque value
+writing the stream without an input fix, a writer also read unnormalised (a head reading the raw stream), a
+writer no weight edit can rotate (a grouped convolution, a non-constant per-channel scale), a bias kept after
+a writer, a centred input. A bias the conversion kept after a norm (its output is also returned, as CLIP's
+text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the stream
+(`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
 """
 from __future__ import annotations
 
@@ -39,10 +45,14 @@ class NotRotatable(NormswapError):
 @dataclass
 class Writer:
     """A stream writer: `target` a module, or PARAM + a parameter's name whose dim `axis` holds the channels;
-    `centre`: its output is centred by an output fix, which the rotation moves into its weights."""
+    `centre`: its output is centred by an output fix, which the rotation moves into its weights; `norm`: a norm
+    (its input is not rotated; an output fix multiplies its output by Q); `entry`: a block whose input fix
+    centres an opaque value entering the stream (Whisper's encoder: it multiplies it by Q too)."""
     target: str
     axis: int = -1
     centre: bool = False
+    norm: bool = False
+    entry: bool = False
 
 
 @dataclass
@@ -52,6 +62,7 @@ class Stream:
     writers: list[Writer] = field(default_factory=list)
     readers: dict[str, str] = field(default_factory=dict)   # linear layer -> the norm it reads
     biased: list[str] = field(default_factory=list)   # norms whose bias the conversion kept after them
+    kept: dict[str, str] = field(default_factory=dict)   # norm -> who reads its output, which stays unrotated
 
 
 @dataclass
@@ -98,15 +109,14 @@ def _sources(t: Trace, norm: str, width: int) -> set[Label]:
     return found
 
 
+def _kept(t: Trace, norm: str) -> str | None:
+    """Who reads the norm's output other than a linear layer that could absorb the rotation (then its output
+    stays unrotated); None where none does (a returned tuple's or sub-model's part is listed as not preserved)."""
+    return next((str(u) for u in sorted(t.uses.get(Label("norm", norm), {})) if not u.nested), None)
+
+
 def _readers(model: nn.Module, t: Trace, norm: str) -> list[str]:
     label = Label("norm", norm)
-    if t.fed_norms.get(label):
-        raise NotRotatable(f"{norm}'s output is written into the stream read by {sorted(t.fed_norms[label])[0]}: a "
-                           "norm as a stream writer does not commute with a rotation")
-    for user in sorted(t.uses.get(label, {})):
-        if not user.nested:
-            raise NotRotatable(f"{norm}'s output is read by {user}, not by a linear layer that could absorb the "
-                               "rotation")
     if getattr(model.get_submodule(norm), "normswap_centre", False):
         raise NotRotatable(f"{norm} centres its output (a norm writing the stream): it does not commute with a "
                            "rotation")
@@ -121,15 +131,22 @@ def _readers(model: nn.Module, t: Trace, norm: str) -> list[str]:
 def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
     """How a source of a stream is rotated; NotRotatable naming it where it cannot be."""
     users = [u for u in sorted(t.uses.get(label, {})) if not u.nested]
+    if users and label.kind == "norm":
+        raise NotRotatable(f"{label.name}'s output is written into the stream and also read by {users[0]}: it "
+                           "cannot be both rotated (for the stream) and kept")
     if users:
         raise NotRotatable(f"{users[0]} reads the unnormalised stream (written by {label.ref}): only a stream read "
                            "through norms and linear layers can be rotated")
     if label.kind == "norm":
-        raise NotRotatable(f"{label.name} is a norm whose output is written into the stream: it does not commute "
-                           "with a rotation")
+        if t.readers.get(label.name):
+            raise NotRotatable(f"{t.readers[label.name][0]} reads {label.name}'s output, which is also written into "
+                               "the stream: only a stream read through norms can be rotated")
+        return Writer(label.name, norm=True)
     if label.kind == "entry":
-        raise NotRotatable(f"an opaque value enters the stream at {label.name} (centred at its input): no weight "
-                           "edit rotates it")
+        if not getattr(model.get_submodule(label.name), "normswap_centre_input", False):
+            raise NotRotatable(f"an opaque value enters the stream at {label.name} without an input fix: nothing "
+                               "rotates it")
+        return Writer(label.name, entry=True)
     if label in t.scales:   # a per-channel scale (folded into its layer by the conversion): constant, or refused
         target = PARAM + label.ref if label.kind == "scale" else label.name
         lam = scale_parameter(model, target).detach()
@@ -155,6 +172,14 @@ def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
 
 def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
     """The model's streams (see the module docstring) from the trace `t` of the converted model."""
+    widths = {n: _width(model.get_submodule(n), n) for n in norms}
+    writing = {n for n in norms if t.fed_norms.get(Label("norm", n))}   # norms writing a stream: input unrotated
+    for w in sorted(writing):
+        fed = sorted(t.fed_norms[Label("norm", w)])[0]
+        if widths[w] != widths[fed]:
+            raise NotRotatable(f"{w} normalises groups of channels (a per-head norm, width {widths[w]}) of the stream "
+                               f"{fed} reads (width {widths[fed]}): only a whole residual stream can be rotated")
+    norms = [n for n in norms if n not in writing]
     parent = {n: n for n in norms}
 
     def root(n: str) -> str:
@@ -162,9 +187,10 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
             parent[n] = parent[parent[n]]
             n = parent[n]
         return n
-    widths = {n: _width(model.get_submodule(n), n) for n in norms}
     sources = {n: _sources(t, n, widths[n]) for n in norms}
-    readers = {n: _readers(model, t, n) for n in norms}
+    kept = {n: who for n in norms if (who := _kept(t, n))}
+    readers = {n: [] if n in kept else _readers(model, t, n) for n in norms}
+    _check_writing(t, writing, sources)
     first: dict[str, str] = {}   # a source's or a reader's key -> the first norm seen with it
     for n in norms:
         for key in [f"s:{lb}" for lb in sources[n]] + [f"r:{r}" for r in readers[n]]:
@@ -175,7 +201,9 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
         if widths[n] != s.width:
             raise NotRotatable(f"{n} (width {widths[n]}) and {s.norms[0]} (width {s.width}) read one stream")
         s.norms.append(n)
-        if getattr(model.get_submodule(n), "normswap_bias", None) is not None:
+        if n in kept:
+            s.kept[n] = kept[n]
+        elif getattr(model.get_submodule(n), "normswap_bias", None) is not None:
             s.biased.append(n)
         for r in readers[n]:
             held = s.readers.setdefault(r, n)
@@ -184,10 +212,24 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
     for s in groups.values():
         labels = sorted({lb for n in s.norms for lb in sources[n]})
         s.writers = [_writer(model, t, lb) for lb in labels]
+    rotated = {n: [*sources[n], *([] if n in kept else [Label("norm", n)])] for n in norms}   # returned rotated
     not_kept = {u.name: "the residual stream, returned rotated (and centred)"
-                for s in groups.values() for n in s.norms
-                for lb in [*sources[n], Label("norm", n)] for u in t.uses.get(lb, {}) if u.nested}
+                for n in norms for lb in rotated[n] for u in t.uses.get(lb, {}) if u.nested}
     return Streams(list(groups.values()), dict(sorted(not_kept.items())))
+
+
+def _check_writing(t: Trace, writing: set[str], sources: dict[str, set[Label]]) -> None:
+    """A norm writing a stream reads an unrotated input and writes a rotated stream's: NotRotatable where its
+    input is also part of a rotated stream, or its output is normalised again only by norms writing a stream."""
+    read_by = {lb: n for n, labels in sorted(sources.items()) for lb in labels}   # a rotated source -> a norm
+    for w in sorted(writing):
+        if not set(t.fed_norms[Label("norm", w)]) - writing:
+            raise NotRotatable(f"{w}'s output is normalised again by {sorted(t.fed_norms[Label('norm', w)])[0]}, "
+                               "which writes a stream too: stacked norms are not rotated")
+        shared = sorted({lb for call in t.calls.get(w, []) for lb in call.sources} & set(read_by))
+        if shared:
+            raise NotRotatable(f"{shared[0].ref} is read by {w}, which writes a stream from an unrotated input, and "
+                               f"by {read_by[shared[0]]}, whose stream is rotated: it cannot be both")
 
 
 def _width(norm: nn.Module, name: str) -> int:

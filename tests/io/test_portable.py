@@ -10,6 +10,7 @@ import torch
 
 import normswap
 from normswap.io import portable
+from normswap.models import schema
 
 from helpers.export_models import converted as naive_conversion
 
@@ -55,3 +56,43 @@ def test_not_preserved_entries_must_be_printable(tmp_path, entry):
     portable.validate(section, "m")
     with pytest.raises(portable.InvalidConversion, match="not_preserved must map output names to reasons"):
         portable.validate({**section, "not_preserved": entry}, "m")
+
+
+def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
+    """A matrix fix needs format 3 (format 2 readers, which ignored unknown keys, refuse format 3 in one line);
+    an unknown key is refused in every format rather than ignored (the model would be another)."""
+    normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+    assert section["format"] == 2 == schema.section_format(section)   # no matrix: older readers load it
+    matrix = {**section, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "matrix": 32}}}
+    assert schema.section_format(matrix) == 3
+    assert schema.section_format({"output_fixes": {"h.0": {"centre": False, "bias": 0, "input": True,
+                                                           "input_matrix": 32}}}) == 3
+    portable.validate({**matrix, "format": 3}, "m")
+    with pytest.raises(portable.InvalidConversion, match=r"output_fixes\['transformer.ln_f'\]\.matrix is not in "
+                                                          r"format 2 \(a newer normswap's\?\)"):
+        portable.validate(matrix, "m")
+    unknown = {**matrix, "format": 3, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "scale": 2}}}
+    with pytest.raises(portable.InvalidConversion, match=r"\.scale is not in format 3"):
+        portable.validate(unknown, "m")
+    with pytest.raises(portable.InvalidConversion, match="normswap format 4 is not supported"):
+        portable.validate({**matrix, "format": 4}, "m")
+
+
+def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
+    """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
+    layer = torch.nn.Linear(4, 4)
+    m, b = torch.randn(4, 4), torch.randn(4)
+    portable.add_output_fix(layer, True, b, matrix=m)
+    x = torch.randn(3, 4)
+    y = layer.weight @ x.T
+    want = (y.T + layer.bias - (y.T + layer.bias).mean(-1, keepdim=True)) @ m + b
+    torch.testing.assert_close(layer(x), want)
+    assert portable.fixed(x, False, None, m).equal(x @ m)
+    fresh = torch.nn.Linear(4, 4)   # as loading builds it: zeros the weights fill
+    portable.add_output_fix(fresh, False, width=4, side=4)
+    assert fresh.normswap_matrix.shape == (4, 4) and not fresh.normswap_matrix.any()
+    block = torch.nn.Identity()   # an input fix: centred, then times its matrix (a rotated entry)
+    portable.add_input_fix(block, side=4)
+    block.normswap_input_matrix.data.copy_(m)
+    torch.testing.assert_close(block(x), (x - x.mean(-1, keepdim=True)) @ m)

@@ -12,11 +12,15 @@ import normswap
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery.rotate import NotRotatable, rotate
-from helpers.exact_models import build, padded_batches
+from helpers.exact_models import build, padded_batches, perturb
 from helpers.user_models import gpt, perturbed
 
-ROTATABLE = ["codegen", "falcon-new", "falcon-parallel", "falcon-sequential-alibi", "gpt2", "gpt_neo",
-             "gpt_neox-parallel", "gpt_neox-sequential", "gptj", "opt", "opt-project", "phi"]
+ROTATABLE = ["bloom", "codegen", "falcon-new", "falcon-parallel", "falcon-sequential-alibi", "gpt2", "gpt2-headless",
+             "gpt_neo", "gpt_neox-parallel", "gpt_neox-sequential", "gptj", "mbart", "opt", "opt-project", "phi"]
+# the norms given a d x d matrix after them: a returned output kept unrotated, or an input (the embeddings)
+UNROTATED = {"gpt2-headless": {"ln_f": "output"}, "bloom": {"transformer.word_embeddings_layernorm": "input"},
+             "mbart": {"model.encoder.layer_norm": "output", "model.encoder.layernorm_embedding": "input",
+                       "model.decoder.layernorm_embedding": "input"}}
 
 
 def _converted(model: nn.Module, examples=None) -> tuple[nn.Module, nn.Module]:
@@ -34,19 +38,37 @@ def test_rotated_family_keeps_its_outputs_in_fp64(name):
     # normswap's RMSNorm computes in fp32 even for fp64 tensors: ~1e-7 is that rounding, not the rotation
     assert compare(before, model, padded_batches()).max_rel < 1e-5
     assert compare(original, model, padded_batches()).max_rel < 1e-5
-    # the stream really is rotated: every writer and reader changed, every norm gain folded to 1
-    stream = report.streams[0]
-    for name in [*stream["writers"], *stream["readers"]]:
-        old, new = before.get_submodule(name).weight, model.get_submodule(name).weight
-        assert (new - old).norm() > 0.3 * old.norm(), name
+    # the streams really are rotated: every writer and reader changed, every norm gain folded to 1 (a norm
+    # writing the stream: into the matrix after it, which mixes the channels)
+    unrotated = UNROTATED.get(name, {})
+    for stream in report.streams:
+        for part in [*stream["writers"], *stream["readers"]]:
+            if part in unrotated:
+                continue
+            old, new = before.get_submodule(part).weight, model.get_submodule(part).weight
+            assert (new - old).norm() > 0.3 * old.norm(), part
     assert all(bool((m.weight == 1).all()) for m in model.modules() if isinstance(m, normswap.RMSNorm))
-    assert [s["q"] for s in report.streams] == ["randomised Hadamard"]
+    assert [s["q"] for s in report.streams] == ["randomised Hadamard"] * (2 if name == "mbart" else 1)
     assert "rotated" in model.config.normswap["not_preserved"]["hidden_states"]   # said on every load
-    tied = before.get_output_embeddings().weight is before.get_input_embeddings().weight
-    head_reads_stream = "lm_head" in stream["readers"]   # OPT with a projection: its head reads project_out
-    assert report.untied == (["lm_head.weight"] if tied and head_reads_stream else [])
-    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == \
-        (tied and not head_reads_stream)
+    assert {n: why.split()[1] for n, why in report.unrotated.items()} == unrotated
+    for norm in unrotated:
+        m = model.get_submodule(norm).normswap_matrix
+        assert (m - torch.diag(torch.diagonal(m))).abs().max() > 0.1, norm   # a rotation, not a gain
+        assert model.config.normswap["output_fixes"][norm] == {"centre": False, "bias": 32, "matrix": 32}
+    head, embedding = before.get_output_embeddings(), before.get_input_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    head_reads_stream = "lm_head" in report.streams[-1]["readers"]   # OPT with a projection: reads project_out
+    untied = ["lm_head.weight"] if tied and head_reads_stream else []
+    if name == "mbart":   # tied to `shared` by the flag that tied the head (off: loading would not tie them)
+        untied += ["model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"]
+    assert report.untied == untied
+    if head is not None:
+        assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == \
+            (tied and not head_reads_stream)
+    if name == "mbart":   # the cross-attention reads the encoder's final norm, kept unrotated: left as it was
+        for proj in ("k_proj", "v_proj"):
+            part = f"model.decoder.layers.0.encoder_attn.{proj}"
+            assert torch.equal(model.get_submodule(part).weight, before.get_submodule(part).weight)
 
 
 def test_a_wrong_rotation_is_caught_by_verification(monkeypatch):
@@ -133,23 +155,74 @@ def test_refuses_prmsnorm():
         rotate(model)
 
 
-def test_refuses_a_final_norm_read_by_the_model_output():
-    model, _ = _converted(build("gpt2-headless"))
-    with pytest.raises(NotRotatable, match=r"^ln_f's output is read by the model output"):
-        rotate(model)
+class EmbeddingNorms(nn.Module):
+    """An embedding norm writing the stream (as BLOOM's): `shared`, the embedding is also added to the stream
+    unnormalised (read by a norm whose input stays unrotated and by the rotated stream); `stacked`, a second
+    norm normalises the embedding norm's output and writes the stream."""
+
+    def __init__(self, shared: bool = False, stacked: bool = False, d: int = 16):
+        super().__init__()
+        self.shared, self.stacked = shared, stacked
+        self.emb, self.norm_e, self.norm_s = nn.Embedding(11, d), nn.LayerNorm(d), nn.LayerNorm(d) if stacked else None
+        self.norm, self.mlp, self.final, self.head = nn.LayerNorm(d), nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, 11)
+
+    def forward(self, idx):
+        e = self.emb(idx)
+        x = self.norm_e(e)
+        x = self.norm_s(x) if self.stacked else x + e if self.shared else x
+        x = x + self.mlp(self.norm(x))
+        return self.head(self.final(x))
 
 
-def test_refuses_a_norm_writing_the_stream():
-    model, _ = _converted(build("bloom"))
-    with pytest.raises(NotRotatable, match=r"word_embeddings_layernorm's output is written into the stream"):
-        rotate(model)
+def test_refuses_a_norm_writing_the_stream_from_a_rotated_input_or_normalised_again():
+    examples = torch.randint(0, 11, (2, 5))
+    for kw, match in (({"shared": True}, r"^emb is read by norm_e, which writes a stream from an unrotated input, "
+                                         r"and by norm, whose stream is rotated"),
+                      ({"stacked": True}, r"^norm_e's output is normalised again by norm_s, which writes a stream")):
+        model, _ = _converted(perturbed(EmbeddingNorms(**kw)), examples)
+        with pytest.raises(NotRotatable, match=match):
+            rotate(model, example_inputs=examples)
+    original = perturbed(EmbeddingNorms())   # the embedding norm alone: rotated, its input kept
+    model, _ = _converted(copy.deepcopy(original), examples)
+    assert list(rotate(model, example_inputs=examples).unrotated) == ["norm_e"]
+    x = torch.randint(0, 11, (3, 9))
+    with torch.no_grad():
+        assert torch.allclose(model(x), original(x), rtol=1e-5, atol=1e-5)
 
 
-def test_refuses_a_norm_read_by_multihead_attention():
+def test_norms_read_by_multihead_attention_keep_their_outputs_unrotated():
     examples = [torch.randint(0, 61, (2, 16)), {"idx": torch.randint(0, 61, (1, 5)), "prefix": torch.randn(1, 8)}]
-    model, _ = _converted(gpt(), examples)
-    with pytest.raises(NotRotatable, match=r"blocks\.0\.ln_1's output is read by nn\.MultiheadAttention"):
-        rotate(model, example_inputs=examples)
+    original = gpt()
+    model, _ = _converted(copy.deepcopy(original), examples)
+    report = rotate(model, example_inputs=examples)
+    assert report.unrotated == {f"blocks.{i}.ln_1": f"its output stays unrotated, read by nn.MultiheadAttention in "
+                                f"blocks.{i}.attn: a 32 x 32 matmul after it" for i in (0, 1)}
+    assert "unrotated: blocks.0.ln_1 (its output stays unrotated" in report.to_table()
+    x = torch.randint(0, 61, (3, 20))
+    with torch.no_grad():
+        ref, out = original(x), model(x)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # rotated again: the matrices compose (M <- Q2ᵀ·M)
+    assert rotate(model, method="random", seed=4, example_inputs=examples).verification["max_rel"] < 1e-4
+    with torch.no_grad():
+        assert ((model(x) - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_dinov2_rotates_with_its_final_norm_kept_unrotated():
+    torch.manual_seed(0)
+    config = tf.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                             image_size=16, patch_size=8)
+    original = perturb(tf.Dinov2Model(config)).eval()   # LayerScales too: folded by the conversion
+    model, before = _converted(copy.deepcopy(original))
+    report = rotate(model)
+    assert list(report.unrotated) == ["layernorm"] and "the model output" in report.unrotated["layernorm"]
+    x = {"pixel_values": torch.randn(3, 3, 16, 16)}
+    with torch.no_grad():
+        ref, out = original(**x), model(**x)
+    for key in ("last_hidden_state", "pooler_output"):
+        assert ((out[key] - ref[key]).abs().max() / ref[key].abs().max()).item() < 1e-5, key
+    patch = model.embeddings.patch_embeddings.projection.weight
+    assert (patch - before.embeddings.patch_embeddings.projection.weight).norm() > 0.5 * patch.norm()
 
 
 class RawReader(nn.Module):
@@ -258,5 +331,21 @@ def test_rms_norm_blocks_rotate_and_refusals_name_a_per_channel_scale_and_a_per_
         assert torch.allclose(plain(x), ref, atol=1e-5) and (plain.emb.weight - emb).norm() > 0.3 * emb.norm()
     with pytest.raises(NotRotatable, match=r"scale scales the stream per channel"):
         rotate(Blocks(scaled=True), example_inputs=examples)
-    with pytest.raises(NotRotatable, match=r"head_norm normalises groups of channels of mlp \(a per-head norm\)"):
+    with pytest.raises(NotRotatable, match=r"head_norm normalises groups of channels \(a per-head norm, width 4\)"):
         rotate(Blocks(per_head=True), example_inputs=examples)
+
+
+def test_clip_rotates_with_its_vision_pre_norm_writing_the_stream():
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    config = tf.CLIPConfig(text_config=dict(tower, vocab_size=60, max_position_embeddings=16),
+                           vision_config=dict(tower, image_size=16, patch_size=8), projection_dim=16)
+    original = perturb(tf.CLIPModel(config)).eval()
+    model, _ = _converted(copy.deepcopy(original))
+    report = rotate(model)
+    assert list(report.unrotated) == ["vision_model.pre_layrnorm"] and len(report.streams) == 2
+    x = {"input_ids": torch.randint(0, 60, (2, 7)), "pixel_values": torch.randn(2, 3, 16, 16)}
+    with torch.no_grad():
+        ref, out = original(**x), model(**x)
+    for key in ("text_embeds", "image_embeds", "logits_per_image"):
+        assert ((out[key] - ref[key]).abs().max() / ref[key].abs().max()).item() < 1e-5, key
