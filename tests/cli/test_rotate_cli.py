@@ -77,7 +77,8 @@ def test_convert_rotate_writes_a_rotated_folder_with_the_originals_outputs(folde
     assert rotation["streams"][0]["q"] == "random orthogonal" and rotation["verification"]["max_rel"] < 1e-4
     assert out["parity"]["max_rel"] < 1e-4   # the rotated model against the original
     section = json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]
-    assert section["rotations"] == [{"method": "random", "seed": 3, "widths": [32], "untied": ["lm_head.weight"]}]
+    assert section["rotations"] == [{"method": "random", "seed": 3, "widths": [32], "untied": ["lm_head.weight"],
+                                     "unrotated": []}]
     rotated = normswap.from_pretrained(tmp_path / "r")
     assert compare(original, rotated, padded_batches()).max_rel < 1e-5
     plain = normswap.from_pretrained(conv)   # the same conversion, not rotated: other weights
@@ -92,7 +93,7 @@ def test_convert_rotate_text_report_names_the_rotation(folders, tmp_path):
     assert "rotated 1 stream(s) (hadamard, seed 0):" in result.output and "randomised Hadamard" in result.output
 
 
-def test_convert_rotate_refusals_are_one_line_and_write_nothing(folders, tmp_path):
+def test_convert_rotate_refusals_are_one_line_and_write_nothing(folders, tmp_path, monkeypatch):
     _, src, _ = folders
     out = tmp_path / "x"
     assert "--rotate needs --method exact" in one_error_line(run("convert", src, "--to", "rmsnorm", "--rotate",
@@ -103,8 +104,11 @@ def test_convert_rotate_refusals_are_one_line_and_write_nothing(folders, tmp_pat
         run("convert", src, "--to", "rmsnorm", "--rotate-method", "random", "-o", out))
     assert "--seed is used only with --rotate" in one_error_line(run("convert", src, "--to", "rmsnorm", "--seed", 1,
                                                                      "-o", out))
-    headless = tmp_path / "headless"
-    build("gpt2-headless").save_pretrained(headless)   # its final norm's output is the model's output
-    line = one_error_line(run("convert", headless, "--to", "rmsnorm", "--method", "exact", "--rotate", "-o", out))
-    assert "ln_f's output is read by the model output" in line
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["headless"]   # no temp folder left
+    from normswap.surgery import rotate as rotate_module
+
+    def refuse(*args):   # a model the exact conversion keeps but the rotation refuses, after converting it
+        raise rotate_module.NotRotatable("probe (Linear) reads the unnormalised stream")
+    monkeypatch.setattr(rotate_module, "find_streams", refuse)
+    line = one_error_line(run("convert", src, "--to", "rmsnorm", "--method", "exact", "--rotate", "-o", out))
+    assert "probe (Linear) reads the unnormalised stream" in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []   # no temp folder left
