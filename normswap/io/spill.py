@@ -59,12 +59,14 @@ class Spill:
 
 
 def _write(f, t: torch.Tensor) -> None:
-    """t's values in row-major order; a tensor that is not contiguous a slice of at most ~PIECE at a time."""
-    if t.is_contiguous() or t.dim() <= 1 or t.numel() * t.element_size() <= PIECE:
-        if t.numel():
-            f.write(t.contiguous().reshape(-1).cpu().view(torch.uint8).numpy())
+    """t's values in row-major order; a tensor that is not contiguous ~PIECE bytes at a time."""
+    if not t.numel():
         return
-    for x in t.unbind(0):
+    if t.is_contiguous() or t.dim() <= 1 or t.numel() * t.element_size() <= PIECE:
+        f.write(t.contiguous().reshape(-1).cpu().view(torch.uint8).numpy())
+        return
+    row = t[0].numel() * t.element_size()
+    for x in (t.unbind(0) if row >= PIECE else t.split(PIECE // row)):
         _write(f, x)
 
 
