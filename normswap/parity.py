@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
@@ -17,12 +18,14 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
+from normswap.io.spill import Spill, Spilled
 from normswap.models.inputs.examples import model_inputs
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
 STREAM = re.compile(r"(^|\.|_)hidden_states$")
 STREAM_REASON = "per-layer residual stream, centred by the exact conversion by design"
 CHUNK = 8   # rows compared in fp64 at a time
+SPAN = 1 << 15   # elements a block holds at least: a cache's narrow rows (64 wide) are not compared 8 at a time
 
 
 @dataclass
@@ -91,13 +94,33 @@ def grouped(names) -> str:
 class Reference:
     """A model's outputs on sample inputs, kept instead of a copy of the model (see `reference_outputs`)."""
     inputs: list[dict]
-    outputs: list[dict]  # per batch: name -> tensor, every compared output
+    outputs: list[dict]  # per batch: name -> tensor (or `Spilled`: on disk), every compared output
     output: str          # name of the main output
     excluded: dict = field(default_factory=dict)   # name -> why it is not compared
 
     @property
     def nonfinite(self) -> int:
-        return sum(int((~o.isfinite()).sum()) for out in self.outputs for o in out.values())
+        n = 0
+        for out in self.outputs:
+            for o in out.values():
+                with reading(o) as (values, _):
+                    n += int((~values.isfinite()).sum())
+        return n
+
+
+@contextmanager
+def reading(v: torch.Tensor | Spilled):
+    """(values, drop) of a recorded output: the tensor itself, or one kept on disk mapped back, whose
+    `drop()` gives back the pages read so far (`Spilled.mapped`)."""
+    if isinstance(v, Spilled):
+        with v.mapped() as pair:
+            yield pair
+    else:
+        yield v, _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 def main_output(out) -> tuple[str, torch.Tensor]:
@@ -163,30 +186,40 @@ def run(model: nn.Module, batch: dict, seed: int):
 
 
 @torch.no_grad()
-def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: dict | None = None) -> Reference:
+def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: dict | None = None,
+                      spill: Spill | None = None) -> Reference:
     """Run `model` on `inputs` (default: `model_inputs`, its sample inputs) and keep every floating output,
     detached, but those `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
+    With `spill`, the outputs are written there as they are produced and none stays in memory (streaming: the
+    converted model then runs with none of them resident).
 
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.
     """
     inputs = inputs if inputs is not None else model_inputs(model)
-    name, outs, used, excluded = "output", [], [], {}
+    ref = Reference([], [], "output")
     for i, batch in enumerate(inputs):
-        try:
-            runs = by_rows(partial(run, model, seed=i), batch)
-        except Exception as e:
-            raise unrunnable(model, e) from None
-        for x, result in runs:
-            name = main_output(result)[0]
-            kept, left = floating_outputs(result)
-            excluded.update(left)
-            for k in [k for k in kept if skipped(k, skip)]:
-                excluded[k] = skipped(k, skip)
-                del kept[k]
-            used.append(x)
-            mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
-            outs.append({k: _owned(v, mine) for k, v in kept.items()})
-    return Reference(used, outs, name, excluded)
+        _record(ref, model, i, batch, skip, spill)   # its outputs freed before the next batch runs
+    return ref
+
+
+def _record(ref: Reference, model: nn.Module, i: int, batch: dict, skip: dict | None, spill: Spill | None) -> None:
+    """Run batch `i` (row by row where the batch fails: `by_rows`) and add what it gives to `ref`."""
+    try:
+        runs = by_rows(partial(run, model, seed=i), batch)
+    except Exception as e:
+        raise unrunnable(model, e) from None
+    mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    while runs:
+        x, result = runs.pop(0)
+        ref.output = main_output(result)[0]
+        kept, left = floating_outputs(result)
+        del result
+        ref.excluded.update(left)
+        for k in [k for k in kept if skipped(k, skip)]:
+            ref.excluded[k] = skipped(k, skip)
+            del kept[k]
+        ref.inputs.append(x)
+        ref.outputs.append({k: spill.put(v) if spill is not None else _owned(v, mine) for k, v in kept.items()})
 
 
 def _owned(v: torch.Tensor, mine: set[int]) -> torch.Tensor:
@@ -253,48 +286,76 @@ def compare_to(reference: Reference, model: nn.Module, skip: dict | None = None)
     counted on either side (Python's max would hide a NaN), never compared. Outputs `skip` names (name ->
     why) are not compared and are listed in the Parity's `excluded`.
     """
-    stats: dict[str, list[torch.Tensor]] = {}   # name -> [max |Δ|, max |ref|]
-    kls: list[torch.Tensor] = []
-    bad_ref = bad = 0
+    tally = Tally(reference.output == "logits")
     for i, (batch, ref) in enumerate(zip(reference.inputs, reference.outputs)):
         got, _ = floating_outputs(run(model, batch, i))
         for name, a in ref.items():
-            if skipped(name, skip):
-                continue
-            b = got.get(name)
-            st = stats.setdefault(name, [torch.zeros((), dtype=torch.float64)] * 2)
-            if b is None or b.shape != a.shape:
-                st[0] = torch.tensor(math.inf, dtype=torch.float64)
-                continue
-            b = b.to(a.device)
-            keep = mask_for(name, batch, a)
-            if keep is not None:
-                a, b = a[keep], b[keep]
-            if not a.numel():   # an empty output (a cache or router slot of width 0): equal if shaped alike
-                continue
-            # fp64 a few rows at a time: whole fp64 logits (and their softmax temporaries) would be
-            # several times the size of a big-vocabulary model's largest weight.
-            rows_a = a.reshape(-1, a.shape[-1]) if a.dim() > 1 else a.reshape(1, -1)
-            rows_b = b.reshape(rows_a.shape)
-            for x, y in zip(rows_a.split(CHUNK), rows_b.split(CHUNK)):
-                x, y = x.double(), y.double()
-                bad_ref += int((~x.isfinite()).sum())
-                bad += int((~y.isfinite()).sum())
-                st[0] = torch.maximum(st[0], (x - y).abs().max().cpu())   # torch.maximum propagates NaN
-                st[1] = torch.maximum(st[1], x.abs().max().cpu())
-                if name == "logits" == reference.output:
-                    lx, ly = x.log_softmax(-1), y.log_softmax(-1)
-                    kls.append(token_kl(lx, ly).flatten())
-    outputs = {n: {"max_abs": d.item(), "max_rel": rel(d.item(), r.item())} for n, (d, r) in stats.items()}
-    kl = nonnegative(torch.cat(kls).mean().item()) if kls else None
-    if bad_ref or bad:
+            b = got.pop(name, None)   # each freed once compared: not all of a long row's outputs at once
+            if not skipped(name, skip):
+                with reading(a) as (values, drop):
+                    tally.add(name, batch, values, b, drop)
+            del b
+    outputs = {n: {"max_abs": d.item(), "max_rel": rel(d.item(), r.item())} for n, (d, r) in tally.stats.items()}
+    kl = nonnegative(torch.cat(tally.kls).mean().item()) if tally.kls else None
+    if tally.bad_ref or tally.bad:
         kl = float("nan")
         outputs = {n: {"max_abs": float("nan"), "max_rel": float("nan")} for n in outputs}
     worst = max(outputs, key=lambda n: order(outputs[n]["max_rel"]), default=reference.output)
     w = outputs.get(worst, {"max_abs": 0.0, "max_rel": 0.0})
     excluded = {**reference.excluded, **{n: skipped(n, skip) for o in reference.outputs for n in o
                                          if skipped(n, skip)}}
-    return Parity(w["max_abs"], w["max_rel"], kl, reference.output, bad_ref, bad, worst, outputs, excluded)
+    return Parity(w["max_abs"], w["max_rel"], kl, reference.output, tally.bad_ref, tally.bad, worst, outputs,
+                  excluded)
+
+
+class Tally:
+    """What `compare_to` keeps as it goes: per output [max |Δ|, max |reference|] (fp64 scalars), the
+    per-token KL of the main logits (`kl`: they are the main output), non-finite counts on either side."""
+
+    def __init__(self, kl: bool):
+        self.kl = kl
+        self.stats: dict[str, list[torch.Tensor]] = {}
+        self.kls: list[torch.Tensor] = []
+        self.bad_ref = self.bad = 0
+
+    def add(self, name: str, batch: dict, a: torch.Tensor, b: torch.Tensor | None, drop=_nothing) -> None:
+        """Compare output `name` of `batch`: `a` the reference's, `b` the model's (None: missing); `drop()`
+        after each block (`reading`: a spilled reference's pages are not all resident at once)."""
+        st = self.stats.setdefault(name, [torch.zeros((), dtype=torch.float64)] * 2)
+        if b is None or b.shape != a.shape:
+            st[0] = torch.tensor(math.inf, dtype=torch.float64)
+            return
+        for x, y in blocks(a, b.to(a.device), mask_for(name, batch, a)):
+            self.bad_ref += int((~x.isfinite()).sum())
+            self.bad += int((~y.isfinite()).sum())
+            st[0] = torch.maximum(st[0], (x - y).abs().max().cpu())   # torch.maximum propagates NaN
+            st[1] = torch.maximum(st[1], x.abs().max().cpu())
+            if self.kl and name == "logits":
+                self.kls.append(token_kl(x.log_softmax(-1), y.log_softmax(-1)).flatten())
+            drop()
+
+
+def blocks(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None):
+    """(a, b), same shape, as fp64 blocks of CHUNK rows of their last dim (more where rows are narrow: SPAN
+    elements; or one position's rows), in order; where `keep` masks their first two dims (`mask_for`), the
+    kept positions only, taken block by block. No fp64 or masked copy of a whole output: fp64 logits (and
+    their softmax temporaries) would be several times a big vocabulary's largest weight, and masked copies
+    of both sides' logits of a 512-token row are 0.2 GB on GPT-2-medium. An empty output (a cache or router
+    slot of width 0) gives none: equal if shaped alike."""
+    if not a.numel():
+        return
+    rows = max(CHUNK, SPAN // a.shape[-1]) if a.dim() else 1
+    if keep is None:
+        rows_a = a.reshape(-1, a.shape[-1]) if a.dim() > 1 else a.reshape(1, -1)
+        pairs = zip(rows_a.split(rows), b.reshape(rows_a.shape).split(rows))
+    else:
+        flat_a, flat_b = a.flatten(0, 1), b.flatten(0, 1)
+        per = max(1, rows // (flat_a[0].numel() // a.shape[-1]))   # positions per block
+        where = keep.flatten().nonzero().squeeze(1)
+        pairs = ((flat_a[i].reshape(-1, a.shape[-1]), flat_b[i].reshape(-1, a.shape[-1])) for i in where.split(per))
+    for x, y in pairs:
+        if x.numel():
+            yield x.double(), y.double()
 
 
 def rel(d: float, r: float) -> float:
@@ -325,9 +386,10 @@ def nonnegative(kl: float) -> float:
 
 
 def compare(reference: nn.Module, model: nn.Module, inputs: list[dict] | None = None,
-            skip: dict | None = None) -> Parity:
-    """Run both models on the same inputs (default: `model_inputs(reference)`) and compare (but `skip`)."""
-    return compare_to(reference_outputs(reference, inputs, skip), model)
+            skip: dict | None = None, spill: Spill | None = None) -> Parity:
+    """Run both models on the same inputs (default: `model_inputs(reference)`) and compare (but `skip`);
+    the reference's outputs kept in `spill`, if given (`reference_outputs`)."""
+    return compare_to(reference_outputs(reference, inputs, skip, spill), model)
 
 
 def skipped(name: str, skip: dict | None) -> str | None:

@@ -10,7 +10,8 @@
    other tensors are copied through. Peak: a few of the largest tensors.
 3. Verification runs the original folder and the written one on the sample inputs through lazy models:
    each module's tensors are mapped from the file (copy-on-write) just before its forward and dropped
-   after it (`lazy.Lazy`).
+   after it (`lazy.Lazy`). The original's outputs go to an unlinked file in the written folder
+   (`io.spill`) and are compared block by block with the converted model's as each output comes.
 
 The plan is `exact.plan`'s, from one traced forward of the meta model whose modules read their weights
 from the checkpoint just for their own forward: the same plan as in memory, in bounded memory.
@@ -29,6 +30,7 @@ from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, bound_heap,
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import portable, safetensors
+from normswap.io.spill import Spill
 from normswap.models.demo import DEMO_NAME
 from normswap.models.inputs.examples import model_inputs
 from normswap.models.load import load_tokenizer
@@ -136,8 +138,9 @@ def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: 
             # run in fp32, with the values of the model as loaded
             lazy.via = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
             lazy.attach(model.float())
-        with LoadOnUse(*lazies):
-            return compare(reference, converted, inputs, skip)
+        # the original's outputs on disk: the converted model's long row runs with none of them in memory
+        with LoadOnUse(*lazies), Spill(out) as spill:
+            return compare(reference, converted, inputs, skip, spill)
 
 
 class _Verification:
