@@ -256,7 +256,7 @@ def norm_calls(model: nn.Module, batch: dict) -> tuple[dict[str, int], dict[str,
     an earlier call computed: the same input tensor, the same kind, eps and weight values (a parallel block's two
     norms once a rotation set both gains to 1); the exporter's common-subexpression elimination keeps one node."""
     counts, repeats = {"rmsnorm": 0, "layernorm": 0}, {"rmsnorm": 0, "layernorm": 0}
-    seen = set()
+    seen, inputs = set(), []   # inputs held until the forward ends: no later tensor reuses an address seen
 
     def counter(kind: str):
         def hook(module, args, _):
@@ -269,6 +269,7 @@ def norm_calls(model: nn.Module, batch: dict) -> tuple[dict[str, int], dict[str,
                    None if w is None else (w.dtype, w.detach().cpu().numpy().tobytes()))
             repeats[kind] += key in seen
             seen.add(key)
+            inputs.append(x)
         return hook
     handles = [m.register_forward_hook(counter(kind)) for m, kind in _norm_kinds(model).items()]
     try:
