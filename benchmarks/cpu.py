@@ -14,7 +14,10 @@ heal: one training step (forward + backward of the LM loss) original vs converte
 
 Every table is measured interleaved: candidates alternate within each repeat (order flipped every
 repeat), so drift and neighbours' load hit all alike. Op tables report the fastest repeat (each ~20 ms
-of calls; interference only ever adds time), model tables the median. One-thread runs are timed in
+of calls; interference only ever adds time). Model tables report the median of the per-repeat ratios
+converted / original (each repeat times the two back to back) with its 95% confidence interval: a whole
+model's time swings by 5-14% between runs here, more than the norms' share of it, so a ratio is only
+resolved where its interval excludes 1. One-thread runs are timed in
 the benchmark thread's CPU time (time.thread_time), so a shared machine's other jobs do not count while
 they hold the core; two-thread runs need wall time (and a quiet machine). Ratios < 1: normswap faster.
 """
@@ -47,7 +50,9 @@ def parse_args(argv=None):
                     help="run only these parts")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--threads", default="1,2", help="thread counts for the model tables (op: the first)")
-    ap.add_argument("--reps", type=int, default=0, help="repeats per candidate (default 15, quick 7)")
+    ap.add_argument("--reps", type=int, default=0, help="repeats per op candidate (default 15, quick 7)")
+    ap.add_argument("--model-reps", type=int, default=0,
+                    help="repeats per model pair, models and heal (default 31, quick 15)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
     return ap.parse_args(argv)
 
@@ -75,6 +80,27 @@ def clock_name() -> str:
 
 def interleaved(cands: dict, reps: int, budget: float = 0.02, stat=statistics.median) -> dict[str, float]:
     """Seconds per call of each candidate (`stat` over repeats); each repeat times ~`budget` s of calls."""
+    return {name: stat(v) for name, v in repeats(cands, reps, budget).items()}
+
+
+def paired_ratio(cands: dict, reps: int, budget: float) -> tuple[float, float, float, dict[str, float]]:
+    """converted / original: the median of the per-repeat ratios (the two are timed back to back in each
+    repeat, so drift common to both cancels) with its 95% confidence interval (order statistics of the
+    ratios: distribution-free), and each candidate's median seconds per call."""
+    times = repeats(cands, reps, budget)
+    ratios = sorted(c / o for c, o in zip(times["converted"], times["original"]))
+    n = len(ratios)
+    half = 0.98 * n ** 0.5  # the binomial(n, 1/2) ranks around the median that cover it with 95%
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
+    return statistics.median(ratios), ratios[lo], ratios[hi], {k: statistics.median(v) for k, v in times.items()}
+
+
+def ratio_cell(r: tuple) -> str:
+    return f"**{r[0]:.3f}** ({r[1]:.3f}-{r[2]:.3f})"
+
+
+def repeats(cands: dict, reps: int, budget: float) -> dict[str, list[float]]:
+    """Seconds per call of each candidate in each repeat, candidates alternating (order flipped each repeat)."""
     now = clock()
     calls = {}
     for name, fn in cands.items():
@@ -91,7 +117,7 @@ def interleaved(cands: dict, reps: int, budget: float = 0.02, stat=statistics.me
             for _ in range(n):
                 fn()
             times[name].append((now() - t) / n)
-    return {name: stat(v) for name, v in times.items()}
+    return times
 
 
 def table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -273,16 +299,16 @@ def bench_models(args, reps: int) -> None:
                     for m in pair.values():  # compile (or warm) both lengths first
                         gen(m)()
                         fwd(m)()
-                    tg = interleaved({k: gen(m) for k, m in pair.items()}, reps, budget=0.3)
-                    tp = interleaved({k: fwd(m) for k, m in pair.items()}, reps, budget=0.3)
-                tok = {k: new_tokens / v for k, v in tg.items()}
+                    rg = paired_ratio({k: gen(m) for k, m in pair.items()}, reps, budget=0.3)
+                    rp = paired_ratio({k: fwd(m) for k, m in pair.items()}, reps, budget=0.3)
+                tok = {k: new_tokens / v for k, v in rg[3].items()}
                 rows.append([name, mode, str(threads), f"{tok['original']:.1f}", f"{tok['converted']:.1f}",
-                             f"**{tg['converted'] / tg['original']:.3f}**", f"{tp['original'] * 1e3:.1f}",
-                             f"{tp['converted'] * 1e3:.1f}", f"**{tp['converted'] / tp['original']:.3f}**"])
+                             ratio_cell(rg), f"{rp[3]['original'] * 1e3:.1f}", f"{rp[3]['converted'] * 1e3:.1f}",
+                             ratio_cell(rp)])
                 print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Models, original (LayerNorm) vs exact-converted (RMSNorm): greedy generation of {new_tokens} "
-          "tokens after a 16-token prompt, and prefill (batch 1); median; 1 thread: thread CPU time, "
-          "2 threads: wall time",
+          f"tokens after a 16-token prompt, and prefill (batch 1); {reps} repeats, ratio: median of the "
+          "per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
           ["model", "mode", "threads", "orig tok/s", "conv tok/s", "generate: conv / orig", "orig prefill ms",
            "conv prefill ms", "prefill: conv / orig"], rows)
 
@@ -349,12 +375,12 @@ def bench_heal(args, reps: int) -> None:
                 return run
             for m in pair.values():   # compile (or warm) first
                 step(m)()
-            t = interleaved({k: step(m) for k, m in pair.items()}, max(3, reps // 2), budget=0.5)
-            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{t['original'] * 1e3:.0f}",
-                         f"{t['converted'] * 1e3:.0f}", f"**{t['converted'] / t['original']:.3f}**"])
+            r = paired_ratio({k: step(m) for k, m in pair.items()}, reps, budget=0.5)
+            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{r[3]['original'] * 1e3:.0f}",
+                         f"{r[3]['converted'] * 1e3:.0f}", ratio_cell(r)])
             print("  ", " | ".join(rows[-1]), flush=True)
-    table("Heal step (forward + backward of the LM loss), original vs exact-converted; median; "
-          "1 thread: thread CPU time, 2 threads: wall time",
+    table(f"Heal step (forward + backward of the LM loss), original vs exact-converted; {reps} repeats, ratio: "
+          "median of the per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
           ["model", "mode", "batch x tokens", "threads", "original ms", "converted ms", "ratio"], rows)
 
 
@@ -365,6 +391,7 @@ def main(argv=None) -> int:
         print("the C++ CPU kernel is unavailable here (see the warning): nothing to measure", file=sys.stderr)
         return 1
     reps = args.reps or (7 if args.quick else 15)
+    model_reps = args.model_reps or (15 if args.quick else 31)
     # One graph per op shape, and per model object for the shared HF forward code: never fall back to eager.
     torch._dynamo.config.recompile_limit = 512
     parts = args.only or ["op", "graph", "models", "share", "heal"]
@@ -378,11 +405,11 @@ def main(argv=None) -> int:
         for name in args.dtypes.split(","):
             bench_graph(args, name, reps)
     if "models" in parts:
-        bench_models(args, reps)
+        bench_models(args, model_reps)
     if "share" in parts:
         norm_share(build_models(args.quick), generated_tokens(args))
     if "heal" in parts:
-        bench_heal(args, reps)
+        bench_heal(args, model_reps)
     print(f"\nDone: load average {os.getloadavg()[0]:.2f}")
     return 0
 

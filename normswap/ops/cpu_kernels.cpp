@@ -19,6 +19,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -274,6 +275,7 @@ void bwd_rows(const T* dy, int64_t sdy, const T* h, int64_t sh, const float* rst
     const Vec g = Io<T>::load(dyi + j, n);
     return w != nullptr ? g * Io<W>::load(w + j, n) : g;
   };
+  if (dw != nullptr) std::fill(dw, dw + d, 0.f);  // this task's partial (allocated uninitialised)
   for (int64_t i0 = begin; i0 < end; i0 += kBwdBlock) {
     const int64_t rows = std::min<int64_t>(kBwdBlock, end - i0);
     const T* dyb[kBwdBlock];
@@ -326,24 +328,41 @@ void bwd_rows(const T* dy, int64_t sdy, const T* h, int64_t sh, const float* rst
   }
 }
 
+// fp32 vector -> dtype, rounding as .to() does, without a dispatcher round trip (a third of a decode-size
+// bf16 backward's overhead went to .to()).
+Tensor cast_vector(const Tensor& src, at::ScalarType dtype) {
+  Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
+  const float* s = src.const_data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "normswap_cast", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < src.numel(); ++j) o[j] = static_cast<scalar_t>(s[j]);
+  });
+  return out;
+}
+
 std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& dy, const Tensor& h, const Tensor& rstd,
                                                  const std::optional<Tensor>& weight,
                                                  const std::optional<Tensor>& dh_out, int64_t k, bool need_dw) {
   const int64_t d = h.size(-1);
   check_weight(weight, d);
   check_k(k, d);
-  const Rows h2 = rows_of(h, d), dy2 = rows_of(dy.to(h.scalar_type()), d);
+  // No conversion, view or copy where the inputs are already what the kernel reads (the forward's own
+  // outputs): at decode sizes each costs as much as the kernel.
+  auto as_h = [&](const Tensor& t) { return t.scalar_type() == h.scalar_type() ? t : t.to(h.scalar_type()); };
+  const Rows h2 = rows_of(h, d), dy2 = rows_of(as_h(dy), d);
   const bool has_dho = dh_out.has_value() && dh_out->defined();
-  const Rows dho2 = rows_of(has_dho ? dh_out->to(h.scalar_type()) : Tensor(), d);
-  const Tensor rs = rstd.reshape({-1}).to(at::kFloat).contiguous();
+  const Rows dho2 = rows_of(has_dho ? as_h(*dh_out) : Tensor(), d);
+  const Tensor rs = rstd.scalar_type() == at::kFloat && rstd.is_contiguous() ? rstd
+                                                                              : rstd.to(at::kFloat).contiguous();
   const Tensor w = weight_for(weight, h);
   const bool has_dw = w.defined() && need_dw;
   const int64_t n = h2.n;
+  TORCH_CHECK(rs.numel() == n, "cpu_rms_norm_backward: rstd has ", rs.numel(), " values for ", n, " rows");
   Tensor dx = at::empty(h.sizes(), h.options());
   // One fp32 dweight partial per task over a fixed split of the rows: deterministic for a thread count.
   const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                 (n * d) / kGrainElems));
-  Tensor part = has_dw ? at::zeros({tasks, d}, h.options().dtype(at::kFloat)) : Tensor();
+  Tensor part = has_dw ? at::empty({tasks * d}, h.options().dtype(at::kFloat)) : Tensor();
   if (n > 0 && d > 0) {
     NORMSWAP_DISPATCH(h.scalar_type(), "normswap_cpu_rms_norm_backward", [&] {
       auto run = [&](auto wtag) {
@@ -364,7 +383,11 @@ std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& dy, const Tensor&
     });
   }
   Tensor dw;
-  if (has_dw) dw = (tasks == 1 ? part[0] : part.sum(0)).to(weight->scalar_type());
+  if (has_dw) {
+    if (n == 0 || d == 0) part.zero_();
+    Tensor acc = tasks == 1 ? part : part.view({tasks, d}).sum(0);
+    dw = acc.scalar_type() == weight->scalar_type() ? acc : cast_vector(acc, weight->scalar_type());
+  }
   else dw = at::empty({0}, h.options());  // an op cannot return None: empty stands for "no dweight"
   return {dx, dw};
 }
@@ -417,9 +440,11 @@ struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
     ctx->save_for_backward({x, rstd, weight.value_or(Tensor())});
     ctx->saved_data["k"] = k;
     ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);  // rstd's gradient is never used: no zeros allocated for it
     return {y, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     const Tensor& w = saved[2];
     const bool need_dw = w.defined() && ctx->needs_input_grad(1);
@@ -438,15 +463,17 @@ struct RmsNormAddFn : public torch::autograd::Function<RmsNormAddFn> {
     ctx->save_for_backward({h, rstd, weight.value_or(Tensor())});
     ctx->saved_data["k"] = k;
     ctx->mark_non_differentiable({rstd});
+    ctx->set_materialize_grads(false);
     return {y, h, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // Only h was differentiated (or nothing): it passes straight to both inputs.
+    if (!grads[0].defined()) return {grads[1], grads[1], Tensor(), Tensor(), Tensor()};
     const auto saved = ctx->get_saved_variables();
     const Tensor& w = saved[2];
     const bool need_dw = w.defined() && ctx->needs_input_grad(2);
     const std::optional<Tensor> dho = grads[1].defined() ? std::optional<Tensor>(grads[1]) : std::nullopt;
-    Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
-    auto [dh, dw] = bwd_op().call(dy, saved[0], saved[1], w.defined() ? std::optional<Tensor>(w) : std::nullopt,
+    auto [dh, dw] = bwd_op().call(grads[0], saved[0], saved[1], w.defined() ? std::optional<Tensor>(w) : std::nullopt,
                                   dho, ctx->saved_data["k"].toInt(), need_dw);
     // h = x + residual, so both inputs receive dh (= dnorm + the gradient of the returned h).
     return {dh, dh, need_dw ? dw : Tensor(), Tensor(), Tensor()};

@@ -192,6 +192,42 @@ def test_dweight_is_deterministic(ext):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("used", ["y", "h"])
+def test_residual_gradients_when_one_output_is_unused(ext, used):
+    """Only y or only h reaches the loss: the other's gradient is never materialised, yet dx, dresidual and
+    dweight are those of the fp64 reference (an h-only loss passes dh straight through, dweight None)."""
+    x, r, w = make((5, 48), torch.float32), make((5, 48), torch.float32, seed=2), make(48, torch.float32, seed=1)
+    dout = make((5, 48), torch.float32, seed=3)
+    got = {}
+    for name, fn, dt in [("ours", ops.rms_norm, torch.float32),
+                         ("ref", reference.rms_norm_reference, torch.float64)]:
+        a, b, c = (t.detach().to(dt).clone().requires_grad_() for t in (x, r, w))
+        y, h = fn(a, c, EPS, residual=b)
+        ((y if used == "y" else h).double() * dout.double()).sum().backward()
+        got[name] = [a.grad, b.grad, c.grad]
+    for what, a, b in zip(["dx", "dresidual", "dweight"], got["ours"], got["ref"]):
+        if b is None:
+            assert a is None, what
+        else:
+            close(a, b, torch.float32, what)
+
+
+@pytest.mark.parametrize("shape", [(1, 70000), (3, 40000), (600, 256)])
+def test_dweight_partials_over_threads(ext, shape):
+    """Two threads: one dweight partial per task (each zeroed by its task, one possibly without rows),
+    summed; the result is the fp64 reference's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x, w, dy = make(shape, torch.float32), make(shape[1], torch.float32, seed=1), make(shape, torch.float32, seed=3)
+        ours = grads(lambda a, b, c: ops.rms_norm(a, b, EPS), x, w, None, dy, None)
+        theirs = grads(lambda a, b, c: reference.rms_norm_reference(a, b, EPS), x.double(), w.double(), None, dy, None)
+    finally:
+        torch.set_num_threads(before)
+    for what, a, b in zip(["dx", "dweight"], ours, theirs):
+        close(a, b, torch.float32, what)
+
+
 def test_op_registration_passes_opcheck(ext):
     x, w = make((3, 40), torch.float32).requires_grad_(), make(40, torch.float32, seed=1).requires_grad_()
     r = make((3, 40), torch.float32, seed=2).requires_grad_()
