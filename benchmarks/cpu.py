@@ -10,6 +10,7 @@ backward kernels only), at decode-to-prefill rows x widths 256-8192, fp32 and bf
 models: the demo model and a random GPT-2-small (LayerNorm biases perturbed so the exact conversion
 has work to do), original vs `normswap.convert(model, method="exact")`, eager and torch.compile'd
 (dynamic shapes), 1 and 2 threads: greedy generation tokens/s and prefill time.
+share: the time inside the modules where the two models differ (norms, the conversion's fixes), eager.
 heal: one training step (forward + backward of the LM loss) original vs converted, eager and compiled.
 
 Every table is measured interleaved: candidates alternate within each repeat (order flipped every
@@ -313,10 +314,45 @@ def bench_models(args, reps: int) -> None:
            "conv prefill ms", "prefill: conv / orig"], rows)
 
 
-def norm_share(models, new_tokens: int) -> None:
-    """Where the difference can come from (eager, 1 thread): the share of each run's time inside the
-    norm ops (torch profiler), and the prefill cost of the bias the exact conversion adds to a tied LM
-    head (ln_f's bias folded through it: every logit gets an add, which no norm speed can offset)."""
+class PartTimer:
+    """Thread CPU time spent inside the named modules of `model` (forward, hooks included: a conversion's
+    output and input fixes run inside the interval)."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        self.total, self.start, self.handles = 0.0, 0.0, []
+        for name in names:
+            m = model.get_submodule(name)
+            self.handles += [m.register_forward_pre_hook(self.begin, prepend=True), m.register_forward_hook(self.end)]
+
+    def begin(self, module, args):
+        self.start = time.thread_time()
+
+    def end(self, module, args, out):
+        self.total += time.thread_time() - self.start
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def differing(orig: nn.Module, conv: nn.Module) -> list[str]:
+    """The modules where an exact conversion differs from its original: the norms, the modules that carry
+    an output or input fix (a tied embedding centred at lookup) and layers given a bias. Everything else
+    computes the same ops on the same shapes, so the two models' difference in time is these modules'."""
+    from normswap import RMSNorm
+
+    def added_bias(name, m):
+        return getattr(m, "bias", None) is not None and getattr(orig.get_submodule(name), "bias", None) is None
+    return [n for n, m in conv.named_modules() if isinstance(m, RMSNorm) or hasattr(m, "normswap_centre")
+            or getattr(m, "normswap_centre_input", False) or added_bias(n, m)]
+
+
+def norm_share(models, new_tokens: int, reps: int) -> None:
+    """The model-level difference, measured where it is made (eager, 1 thread): time inside the modules that
+    differ (`differing`: LayerNorms in the original, RMSNorms and the conversion's fixes in the converted
+    model), summed over each run, against the run's whole time. A whole model's time swings by more than
+    the norms' share of it between runs here, the parts' times do not; the rest of the two models is the
+    same computation, so the converted model's time is the original's plus the parts' difference."""
     torch.set_num_threads(1)
     rows = []
     for name, orig, conv, seq in models:
@@ -325,29 +361,33 @@ def norm_share(models, new_tokens: int) -> None:
         runs = {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                  do_sample=False, pad_token_id=0),
                 "prefill": lambda m: m(prefill)}
-        row = [name]
-        for fn in runs.values():
-            for model, op in ((orig, "aten::layer_norm"), (conv, "normswap::cpu_rms_norm")):
-                with torch.no_grad():
-                    fn(model)
-                    with torch.autograd.profiler.profile() as prof:
-                        start = time.perf_counter()
+        parts = differing(orig, conv)
+        timers = {"original": PartTimer(orig, parts), "converted": PartTimer(conv, parts)}
+        for run, fn in runs.items():
+            got = {k: ([], []) for k in timers}   # per repeat: the parts' seconds, the whole run's seconds
+            with torch.no_grad():
+                for i in range(reps):
+                    for key in (list(timers) if i % 2 == 0 else list(timers)[::-1]):
+                        model = orig if key == "original" else conv
+                        timers[key].total = 0.0
+                        t = time.thread_time()
                         fn(model)
-                        wall = time.perf_counter() - start
-                norm = sum(e.cpu_time_total for e in prof.function_events if e.name == op) / 1e6
-                row.append(f"{100 * norm / wall:.1f}%")
-        hidden = torch.randn(1, seq, orig.config.n_embd)
-        with torch.no_grad():
-            t = interleaved({"whole prefill": lambda: orig(prefill), "orig head": lambda: orig.lm_head(hidden),
-                             "conv head": lambda: conv.lm_head(hidden)}, 7, budget=0.2)
-        row.append(f"{'+' if t['conv head'] >= t['orig head'] else ''}"
-                   f"{100 * (t['conv head'] - t['orig head']) / t['whole prefill']:.1f}%")
-        rows.append(row)
-    table("Where the model-level difference comes from (eager, 1 thread): share of the run's wall time "
-          "inside the norm ops (torch profiler; the Python module call around them not counted), and the "
-          "prefill time the exact conversion's LM-head bias adds (relative to the original's prefill)",
-          ["model", "generate: LayerNorm (orig)", "generate: RMSNorm (conv)", "prefill: LayerNorm (orig)",
-           "prefill: RMSNorm (conv)", "prefill: LM-head bias (conv)"], rows)
+                        got[key][1].append(time.thread_time() - t)
+                        got[key][0].append(timers[key].total)
+            med = {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in got.items()}
+            delta = (med["converted"][0] - med["original"][0]) / med["original"][1]
+            rows.append([name, run, str(len(parts)), f"{med['original'][0] * 1e3:.2f}",
+                         f"{med['converted'][0] * 1e3:.2f}", f"{med['converted'][0] / med['original'][0]:.2f}",
+                         f"{med['original'][1] * 1e3:.1f}", f"{100 * med['original'][0] / med['original'][1]:.2f}%",
+                         f"**{1 + delta:.4f}**"])
+            print("  ", " | ".join(rows[-1]), flush=True)
+        for timer in timers.values():
+            timer.remove()
+    table(f"Where the model-level difference is made (eager, 1 thread, thread CPU time, median of {reps} "
+          "interleaved repeats): time inside the modules that differ (LayerNorms; RMSNorms and the conversion's "
+          "fixes), and the converted / original ratio they imply (the rest is the same computation)",
+          ["model", "run", "modules", "orig parts ms", "conv parts ms", "parts: conv / orig", "orig whole ms",
+           "parts' share of orig", "implied conv / orig"], rows)
 
 
 # ---- heal step -------------------------------------------------------------------------------------
@@ -407,7 +447,7 @@ def main(argv=None) -> int:
     if "models" in parts:
         bench_models(args, model_reps)
     if "share" in parts:
-        norm_share(build_models(args.quick), generated_tokens(args))
+        norm_share(build_models(args.quick), generated_tokens(args), model_reps)
     if "heal" in parts:
         bench_heal(args, model_reps)
     print(f"\nDone: load average {os.getloadavg()[0]:.2f}")

@@ -64,6 +64,13 @@ def is_linear(layer: nn.Module) -> bool:
     return isinstance(layer, nn.Linear) or is_conv1d(layer)
 
 
+def out_width(module: nn.Module) -> int:
+    """The output width of a linear layer (GPT-2 Conv1D too); -1 for other modules."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    return module.weight.shape[1] if is_conv1d(module) else -1
+
+
 def is_scale(module: nn.Module) -> bool:
     """A per-channel scale (LayerScale): one 1-D parameter, not a linear layer or an embedding."""
     params = list(module.parameters(recurse=False))

@@ -2,8 +2,9 @@
 
 Per norm: its sources (what its input is a sum of, over every call), its readers (linear layers reading
 its output) and what happens to its bias: "fold" into the readers, "after" (kept as a bias after the norm:
-a reader is not linear or also reads something else, or the output is returned), "stream" (the norm's
-output is itself a stream writer, as BLOOM's embedding norm: its output is centred and its centred bias
+a reader is not linear or also reads something else, the output is returned, or folding would give bias-less
+readers biases more than WIDE_FOLD times the norm's width, as an LM head's vocabulary-wide one), "stream"
+(the norm's output is itself a stream writer, as BLOOM's embedding norm: its output is centred and its centred bias
 kept after), "none" (no bias). `reason` (a `labels.Refusal`) says why a norm cannot be made exact (then the
 plan is refused as a whole); `Plan.reasons` holds the model-wide ones (a parameter that never ran);
 `not_kept` lists returned outputs that cannot be preserved (the residual stream). Sources are
@@ -26,13 +27,14 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from normswap.models.introspect import floating_buffers, is_linear, norm_kind
+from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
 from normswap.surgery.labels import Cause, Label, Refusal, User
 from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.walk import NormSite
 
 PARAM = "param:"   # a Step target naming a parameter, not a module
+WIDE_FOLD = 4      # a norm's bias is folded unless the biases that creates are wider than this times the norm
 
 
 @dataclass
@@ -198,7 +200,10 @@ def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> s
         return "stream"
     if readers and not t.uses.get(label) and all(is_linear(model.get_submodule(r)) and t.reads[r] == {label}
                                                  for r in readers):
-        return "fold"
+        # Folding gives each bias-less reader a bias: an add per row as wide as its output. Where that is far
+        # wider than the norm (a vocabulary-wide LM head), the bias kept after the norm costs less.
+        created = sum(out_width(layer) for layer in map(model.get_submodule, readers) if layer.bias is None)
+        return "after" if created > WIDE_FOLD * s.bias.numel() else "fold"
     return "after"
 
 

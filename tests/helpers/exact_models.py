@@ -12,6 +12,9 @@ COMMON = dict(vocab_size=V, tie_word_embeddings=None)
 FAMILIES = {
     "gpt2": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64), tf.GPT2LMHeadModel),
     "gpt2-headless": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64), tf.GPT2Model),
+    # a vocabulary over 4x the width, as real LMs have: ln_f's bias stays after it (no head bias added)
+    "gpt2-wide-vocab": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64, vocab_size=5 * D),
+                        tf.GPT2LMHeadModel),
     "opt": (tf.OPTConfig, dict(num_hidden_layers=L, hidden_size=D, ffn_dim=64, num_attention_heads=4,
                                max_position_embeddings=64, word_embed_proj_dim=D), tf.OPTForCausalLM),
     "opt-project": (tf.OPTConfig, dict(num_hidden_layers=L, hidden_size=D, ffn_dim=64, num_attention_heads=4,
