@@ -20,7 +20,8 @@ D = 32   # helpers.user_models.GPT's width
 def test_a_bias_less_head_is_given_the_fold_only_while_narrow(vocab, fate):
     original = gpt(vocab=vocab)
     model = copy.deepcopy(original)
-    report = normswap.convert(model, method="exact", example_inputs=(torch.randint(0, vocab, (2, 9)), torch.randn(2, 8)))
+    examples = (torch.randint(0, vocab, (2, 9)), torch.randn(2, 8))   # (idx, prefix): every layer runs
+    report = normswap.convert(model, method="exact", example_inputs=examples)
     kept = getattr(model.ln_f, "normswap_bias", None)
     assert ("head" in report.added_biases) == (model.head.bias is not None) == (fate == "fold")
     assert (kept is not None) == (fate == "after")
