@@ -132,8 +132,8 @@ def not_preserved(model: nn.Module, p: Plan) -> dict[str, str]:
     out = dict(p.not_kept)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         out["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, returned centred "
-                                "(each row minus its mean), and a final norm's output there without the bias "
-                                "folded into its readers")
+                                "(each row minus its mean); a norm's output returned there lacks its bias where "
+                                "that was folded into its readers")
     return out
 
 
