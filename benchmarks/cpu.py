@@ -362,19 +362,20 @@ def norm_share(models, new_tokens: int, reps: int) -> None:
                                                  do_sample=False, pad_token_id=0),
                 "prefill": lambda m: m(prefill)}
         parts = differing(orig, conv)
-        timers = {"original": PartTimer(orig, parts), "converted": PartTimer(conv, parts)}
+        pair = {"original": orig, "converted": conv}
+        timers = {k: PartTimer(m, parts) for k, m in pair.items()}
         for run, fn in runs.items():
-            got = {k: ([], []) for k in timers}   # per repeat: the parts' seconds, the whole run's seconds
-            with torch.no_grad():
-                for i in range(reps):
-                    for key in (list(timers) if i % 2 == 0 else list(timers)[::-1]):
-                        model = orig if key == "original" else conv
-                        timers[key].total = 0.0
-                        t = time.thread_time()
-                        fn(model)
-                        got[key][1].append(time.thread_time() - t)
-                        got[key][0].append(timers[key].total)
-            med = {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in got.items()}
+            inside = {k: [] for k in pair}   # the parts' seconds in each call
+
+            def timed(key, fn=fn, inside=inside):
+                def call():
+                    timers[key].total = 0.0
+                    fn(pair[key])
+                    inside[key].append(timers[key].total)
+                return call
+            with torch.no_grad():   # budget 0: one call per repeat; the first two calls warm up
+                whole = repeats({k: timed(k) for k in pair}, reps, budget=0.0)
+            med = {k: (statistics.median(inside[k][-reps:]), statistics.median(whole[k])) for k in pair}
             delta = (med["converted"][0] - med["original"][0]) / med["original"][1]
             rows.append([name, run, str(len(parts)), f"{med['original'][0] * 1e3:.2f}",
                          f"{med['converted'][0] * 1e3:.2f}", f"{med['converted'][0] / med['original'][0]:.2f}",
