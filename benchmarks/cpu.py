@@ -335,16 +335,21 @@ class PartTimer:
             h.remove()
 
 
-def differing(orig: nn.Module, conv: nn.Module) -> list[str]:
-    """The modules where an exact conversion differs from its original: the norms, the modules that carry
-    an output or input fix (a tied embedding centred at lookup) and layers given a bias. Everything else
-    computes the same ops on the same shapes, so the two models' difference in time is these modules'."""
+def differing(orig: nn.Module, conv: nn.Module) -> dict[str, list[str]]:
+    """The modules where an exact conversion differs from its original, in two groups: "norms" (the norms
+    alone) and "fixed" (the modules that carry an output or input fix, such as a tied embedding centred at
+    lookup or a norm with its bias kept after it, and layers given a bias). Everything else computes the
+    same ops on the same shapes, so the two models' difference in time is these modules'."""
     from normswap import RMSNorm
 
     def added_bias(name, m):
         return getattr(m, "bias", None) is not None and getattr(orig.get_submodule(name), "bias", None) is None
-    return [n for n, m in conv.named_modules() if isinstance(m, RMSNorm) or hasattr(m, "normswap_centre")
-            or getattr(m, "normswap_centre_input", False) or added_bias(n, m)]
+
+    def fixed(name, m):
+        return hasattr(m, "normswap_centre") or getattr(m, "normswap_centre_input", False) or added_bias(name, m)
+    mods = dict(conv.named_modules())
+    return {"norms": [n for n, m in mods.items() if isinstance(m, RMSNorm) and not fixed(n, m)],
+            "fixed": [n for n, m in mods.items() if fixed(n, m)]}
 
 
 def norm_share(models, new_tokens: int, reps: int) -> None:
@@ -352,7 +357,9 @@ def norm_share(models, new_tokens: int, reps: int) -> None:
     differ (`differing`: LayerNorms in the original, RMSNorms and the conversion's fixes in the converted
     model), summed over each run, against the run's whole time. A whole model's time swings by more than
     the norms' share of it between runs here, the parts' times do not; the rest of the two models is the
-    same computation, so the converted model's time is the original's plus the parts' difference."""
+    same computation, so the converted model's time is the original's plus the parts' difference. Split in
+    two: the norms alone, and the modules carrying the conversion's fixes (timed in the original too, where
+    they are plain modules: a fix's cost is the difference)."""
     torch.set_num_threads(1)
     rows = []
     for name, orig, conv, seq in models:
@@ -361,34 +368,101 @@ def norm_share(models, new_tokens: int, reps: int) -> None:
         runs = {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                  do_sample=False, pad_token_id=0),
                 "prefill": lambda m: m(prefill)}
-        parts = differing(orig, conv)
+        groups = differing(orig, conv)
         pair = {"original": orig, "converted": conv}
-        timers = {k: PartTimer(m, parts) for k, m in pair.items()}
+        timers = {(k, g): PartTimer(m, names) for k, m in pair.items() for g, names in groups.items()}
         for run, fn in runs.items():
-            inside = {k: [] for k in pair}   # the parts' seconds in each call
+            inside = {key: [] for key in timers}   # each group's seconds in each call
 
             def timed(key, fn=fn, inside=inside):
                 def call():
-                    timers[key].total = 0.0
+                    for g in groups:
+                        timers[key, g].total = 0.0
                     fn(pair[key])
-                    inside[key].append(timers[key].total)
+                    for g in groups:
+                        inside[key, g].append(timers[key, g].total)
                 return call
             with torch.no_grad():   # budget 0: one call per repeat; the first two calls warm up
                 whole = repeats({k: timed(k) for k in pair}, reps, budget=0.0)
-            med = {k: (statistics.median(inside[k][-reps:]), statistics.median(whole[k])) for k in pair}
-            delta = (med["converted"][0] - med["original"][0]) / med["original"][1]
-            rows.append([name, run, str(len(parts)), f"{med['original'][0] * 1e3:.2f}",
-                         f"{med['converted'][0] * 1e3:.2f}", f"{med['converted'][0] / med['original'][0]:.2f}",
-                         f"{med['original'][1] * 1e3:.1f}", f"{100 * med['original'][0] / med['original'][1]:.2f}%",
-                         f"**{1 + delta:.4f}**"])
+            med = {key: statistics.median(v[-reps:]) for key, v in inside.items()}
+            o_whole = statistics.median(whole["original"])
+            o, c = (sum(med[k, g] for g in groups) for k in pair)
+            ms = lambda t: f"{t * 1e3:+.2f}"  # noqa: E731
+            rows.append([name, run, f"{len(groups['norms'])} + {len(groups['fixed'])}", f"{o * 1e3:.2f}",
+                         f"{c * 1e3:.2f}", f"{c / o:.2f}",
+                         ms(med["converted", "norms"] - med["original", "norms"]),
+                         ms(med["converted", "fixed"] - med["original", "fixed"]),
+                         f"{o_whole * 1e3:.1f}", f"{100 * o / o_whole:.2f}%", f"**{1 + (c - o) / o_whole:.4f}**"])
             print("  ", " | ".join(rows[-1]), flush=True)
         for timer in timers.values():
             timer.remove()
     table(f"Where the model-level difference is made (eager, 1 thread, thread CPU time, median of {reps} "
-          "interleaved repeats): time inside the modules that differ (LayerNorms; RMSNorms and the conversion's "
-          "fixes), and the converted / original ratio they imply (the rest is the same computation)",
-          ["model", "run", "modules", "orig parts ms", "conv parts ms", "parts: conv / orig", "orig whole ms",
-           "parts' share of orig", "implied conv / orig"], rows)
+          "interleaved repeats): time inside the modules that differ (norms; modules carrying the conversion's "
+          "fixes), what each group adds (converted - original), and the converted / original ratio they imply "
+          "(the rest is the same computation)",
+          ["model", "run", "norms + fixed modules", "orig parts ms", "conv parts ms", "parts: conv / orig",
+           "norms: conv - orig ms", "fixed modules: conv - orig ms", "orig whole ms", "parts' share of orig",
+           "implied conv / orig"], rows)
+
+
+NORM_KERNEL_MARKS = ("native_layer_norm", "rsqrt")   # in Inductor's kernel names: LayerNorm's op; our decomposition's
+
+
+def kernel_times(fn) -> tuple[float, float, float]:
+    """One call of `fn` under the profiler: seconds in Inductor's generated kernels that contain a norm (the
+    conversion's fixes fuse into them), in all its generated kernels, and in the whole call."""
+    from torch.profiler import ProfilerActivity, profile
+    now = clock()
+    t = now()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    whole = now() - t
+    norm = gen = 0.0
+    for e in prof.key_averages():
+        if "cpp_fused" in e.key:
+            gen += e.self_cpu_time_total * 1e-6
+            norm += e.self_cpu_time_total * 1e-6 if any(k in e.key for k in NORM_KERNEL_MARKS) else 0.0
+    return norm, gen, whole
+
+
+def compiled_share(models, new_tokens: int, reps: int) -> None:
+    """The model-level difference under torch.compile, measured where it is made (1 thread): Inductor fuses
+    the norms and the conversion's fixes into its own kernels, so the parts are those kernels (profiled:
+    `cpp.enable_kernel_profile`), in the kernels that contain a norm and in all generated kernels (the rest,
+    matmuls and attention, are the same extern calls on the same shapes)."""
+    import torch._inductor.config as inductor_config
+    torch.set_num_threads(1)
+    rows = []
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        for name, orig, conv, seq in models:
+            prompt = torch.randint(0, orig.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+            prefill = torch.randint(0, orig.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
+            pair = {"original": copy.deepcopy(orig), "converted": copy.deepcopy(conv)}
+            for m in pair.values():
+                m.forward = torch.compile(m.forward, dynamic=True)
+            runs = {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                     do_sample=False, pad_token_id=0),
+                    "prefill": lambda m: m(prefill)}
+            for run, fn in runs.items():
+                got = {k: [] for k in pair}
+                with torch.no_grad():
+                    for m in pair.values():   # compile, warm
+                        fn(m), fn(m)
+                    for i in range(reps):
+                        for k in (list(pair) if i % 2 == 0 else list(pair)[::-1]):
+                            got[k].append(kernel_times(lambda k=k: fn(pair[k])))
+                med = {k: [statistics.median(v[j] for v in got[k]) for j in range(3)] for k in pair}
+                (on, og, ow), (cn, cg, _) = med["original"], med["converted"]
+                rows.append([name, run, f"{on * 1e3:.2f}", f"{cn * 1e3:.2f}", f"{cn / on:.2f}", f"{og * 1e3:.2f}",
+                             f"{cg * 1e3:.2f}", f"{cg / og:.3f}", f"{ow * 1e3:.1f}",
+                             f"**{1 + (cn - on) / ow:.4f}**", f"**{1 + (cg - og) / ow:.4f}**"])
+                print("  ", " | ".join(rows[-1]), flush=True)
+    table(f"Where the model-level difference is made, compiled (1 thread, median of {reps} interleaved profiled "
+          "calls): Inductor's kernels that contain a norm (and the fixes fused into them), all its generated "
+          "kernels, and the converted / original ratio each implies (the rest is the same extern calls)",
+          ["model", "run", "orig norm kernels ms", "conv norm kernels ms", "norm kernels: conv / orig",
+           "orig generated ms", "conv generated ms", "generated: conv / orig", "orig whole ms (profiled)",
+           "implied by norm kernels", "implied by generated kernels"], rows)
 
 
 # ---- heal step -------------------------------------------------------------------------------------
@@ -448,7 +522,10 @@ def main(argv=None) -> int:
     if "models" in parts:
         bench_models(args, model_reps)
     if "share" in parts:
-        norm_share(build_models(args.quick), generated_tokens(args), model_reps)
+        models = build_models(args.quick)
+        norm_share(models, generated_tokens(args), model_reps)
+        if not args.no_compile:
+            compiled_share(models, generated_tokens(args), model_reps)
     if "heal" in parts:
         bench_heal(args, model_reps)
     print(f"\nDone: load average {os.getloadavg()[0]:.2f}")

@@ -298,8 +298,10 @@ def verify_checksum(section: dict, folder: str | Path | None, where: str, explic
 # ---- the structure: norms, added biases, output and input fixes --------------------------------------------
 
 def centred(x: torch.Tensor) -> torch.Tensor:
-    """x minus its mean over the last dim (the mean taken in fp32)."""
-    return x - x.float().mean(-1, keepdim=True).to(x.dtype)
+    """x minus its mean over the last dim (the mean taken in fp32, or fp64 for fp64)."""
+    if x.dtype in (torch.float32, torch.float64):   # two ops, no casts: an output fix runs per token in decode
+        return torch.sub(x, x.sum(-1, keepdim=True), alpha=1.0 / x.shape[-1])
+    return x - x.mean(-1, keepdim=True, dtype=torch.float32).to(x.dtype)
 
 
 def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None,
@@ -310,8 +312,14 @@ def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None,
     return out if bias is None else out + bias
 
 
+def _fix_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    # a dict lookup: getattr(module, name, None) raises and catches an AttributeError per call when it is absent
+    return module._parameters.get(name)
+
+
 def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    return fixed(out, module.normswap_centre, *(getattr(module, f"normswap_{k}", None) for k in ("bias", "matrix")))
+    return fixed(out, module.normswap_centre, _fix_tensor(module, "normswap_bias"),
+                 _fix_tensor(module, "normswap_matrix"))
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
@@ -347,7 +355,7 @@ def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
 def centre_input(module: nn.Module, args, kwargs):
     """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
     multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
-    key, m = first_input(module, args, kwargs), getattr(module, "normswap_input_matrix", None)
+    key, m = first_input(module, args, kwargs), _fix_tensor(module, "normswap_input_matrix")
     x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
     return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
 
