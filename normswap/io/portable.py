@@ -1,16 +1,16 @@
 """What rebuilds a saved conversion: normswap runs it, and so does every converted folder, as its own code.
 
 One source for both loaders. normswap imports this module to rebuild its folders (`rebuild.from_pretrained`,
-streaming's verification), and `save_pretrained` copies this file verbatim into each folder as
-modeling_normswap.py, followed by generated subclasses of the original transformers classes, which
-transformers runs with trust_remote_code=True. So it imports only the standard library and torch (and
-transformers, lazily), never normswap; a test fails if the shipped copy differs from this file.
+streaming's verification), and `save_pretrained` copies this file verbatim into each folder as modeling_normswap.py,
+followed by generated subclasses of the original transformers classes, which transformers runs with
+trust_remote_code=True. So it imports only the standard library and torch (and transformers, lazily), never
+normswap; a test fails if the shipped copy differs from this file.
 
 - `validate`, `verify_checksum`: config.json's `normswap` section (types, ranges, named modules) and its
   checksum: of the section itself and of the headers of the weights files transformers loads (`weights_files`).
 - `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch `build_norm`
   below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast kernels for the same
-  arithmetic, held equal by a test), the added biases, the output fixes (centre, matrix, bias) and input fixes.
+  arithmetic, held equal by a test), the added biases, output fixes (centre, matrix, bias) and input fixes.
 - `shipped.py` follows this file in modeling_normswap.py: the transformers side (`NormswapMixin`).
 """
 from __future__ import annotations
@@ -99,8 +99,7 @@ def build_norm(spec: dict, like: nn.Module) -> nn.Module:
     cls = PartialRMSNorm if spec["type"] == "prmsnorm" else RMSNorm
     new = cls(spec["width"], eps=spec["eps"], elementwise_affine=spec["affine"],
               p=spec["p"] if spec["type"] == "prmsnorm" else None)
-    ref = getattr(like, "weight", None)
-    return new.to(ref.device, ref.dtype) if ref is not None else new
+    return new.to(ref.device, ref.dtype) if (ref := getattr(like, "weight", None)) is not None else new
 
 
 # ---- the section -------------------------------------------------------------------------------------------
@@ -118,9 +117,8 @@ def _get(where: str, d, key: str, types, ctx: str):
     types = types if isinstance(types, tuple) else (types,)
     # bool is an int to Python; it is never a valid number or width here.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object",
-                 list: "a list"}
-        _fail(where, f"{ctx}.{key} = {value!r} is not {' or '.join(names[t] for t in types)}")
+        names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object"}
+        _fail(where, f"{ctx}.{key} = {value!r} is not {' or '.join(names.get(t, 'a list') for t in types)}")
     return value
 
 
@@ -304,22 +302,16 @@ def centred(x: torch.Tensor) -> torch.Tensor:
     return x - x.mean(-1, keepdim=True, dtype=torch.float32).to(x.dtype)
 
 
-def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None,
-          matrix: torch.Tensor | None = None) -> torch.Tensor:
+def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None, matrix: torch.Tensor | None = None):
     """What an output fix returns for `out`: centred if `centre`, times `matrix` if given, plus `bias` if given."""
     out = centred(out) if centre else out
     out = out if matrix is None else out @ matrix.to(out.dtype)
     return out if bias is None else out + bias
 
 
-def _fix_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
-    # a dict lookup: getattr(module, name, None) raises and catches an AttributeError per call when it is absent
-    return module._parameters.get(name)
-
-
 def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    return fixed(out, module.normswap_centre, _fix_tensor(module, "normswap_bias"),
-                 _fix_tensor(module, "normswap_matrix"))
+    p = module._parameters   # not getattr(m, name, None): an absent name raises an AttributeError per call
+    return fixed(out, module.normswap_centre, p.get("normswap_bias"), p.get("normswap_matrix"))
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
@@ -355,7 +347,7 @@ def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
 def centre_input(module: nn.Module, args, kwargs):
     """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
     multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
-    key, m = first_input(module, args, kwargs), _fix_tensor(module, "normswap_input_matrix")
+    key, m = first_input(module, args, kwargs), module._parameters.get("normswap_input_matrix")
     x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
     return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
 
