@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import itertools
 import os
 import platform
@@ -272,6 +273,17 @@ def generated_tokens(args) -> int:
     return 16 if args.quick else 32
 
 
+def workloads(model: nn.Module, seq: int, new_tokens: int) -> dict:
+    """The two timed runs, each a function of a model: greedy generation of `new_tokens` after a fixed
+    16-token prompt, and a prefill of `seq` tokens (batch 1; the same token ids for every model)."""
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
+    prefill = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(2))
+    return {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                             do_sample=False, pad_token_id=0),
+            "prefill": lambda m: m(prefill)}
+
+
 def bench_models(args, reps: int) -> None:
     models = build_models(args.quick)
     new_tokens = generated_tokens(args)
@@ -280,9 +292,7 @@ def bench_models(args, reps: int) -> None:
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         for name, orig, conv, seq in models:
-            vocab = orig.config.vocab_size
-            prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1))
-            prefill = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(2))
+            runs = workloads(orig, seq, new_tokens)
             for mode in modes:
                 pair = {"original": orig, "converted": conv}
                 if mode == "compiled":
@@ -290,18 +300,12 @@ def bench_models(args, reps: int) -> None:
                     for m in pair.values():
                         m.forward = torch.compile(m.forward, dynamic=True)
 
-                def gen(m):
-                    return lambda: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                              do_sample=False, pad_token_id=0)
-
-                def fwd(m):
-                    return lambda: m(prefill)
                 with torch.no_grad():
                     for m in pair.values():  # compile (or warm) both lengths first
-                        gen(m)()
-                        fwd(m)()
-                    rg = paired_ratio({k: gen(m) for k, m in pair.items()}, reps, budget=0.3)
-                    rp = paired_ratio({k: fwd(m) for k, m in pair.items()}, reps, budget=0.3)
+                        for fn in runs.values():
+                            fn(m)
+                    rg, rp = (paired_ratio({k: functools.partial(fn, m) for k, m in pair.items()}, reps, budget=0.3)
+                              for fn in runs.values())
                 tok = {k: new_tokens / v for k, v in rg[3].items()}
                 rows.append([name, mode, str(threads), f"{tok['original']:.1f}", f"{tok['converted']:.1f}",
                              ratio_cell(rg), f"{rp[3]['original'] * 1e3:.1f}", f"{rp[3]['converted'] * 1e3:.1f}",
@@ -363,11 +367,7 @@ def norm_share(models, new_tokens: int, reps: int) -> None:
     torch.set_num_threads(1)
     rows = []
     for name, orig, conv, seq in models:
-        prompt = torch.randint(0, orig.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-        prefill = torch.randint(0, orig.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
-        runs = {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                 do_sample=False, pad_token_id=0),
-                "prefill": lambda m: m(prefill)}
+        runs = workloads(orig, seq, new_tokens)
         groups = differing(orig, conv)
         pair = {"original": orig, "converted": conv}
         timers = {(k, g): PartTimer(m, names) for k, m in pair.items() for g, names in groups.items()}
@@ -435,14 +435,10 @@ def compiled_share(models, new_tokens: int, reps: int) -> None:
     rows = []
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         for name, orig, conv, seq in models:
-            prompt = torch.randint(0, orig.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
-            prefill = torch.randint(0, orig.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(2))
+            runs = workloads(orig, seq, new_tokens)
             pair = {"original": copy.deepcopy(orig), "converted": copy.deepcopy(conv)}
             for m in pair.values():
                 m.forward = torch.compile(m.forward, dynamic=True)
-            runs = {"generate": lambda m: m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                                     do_sample=False, pad_token_id=0),
-                    "prefill": lambda m: m(prefill)}
             for run, fn in runs.items():
                 got = {k: [] for k in pair}
                 with torch.no_grad():

@@ -30,6 +30,7 @@ from torch import nn
 FORMAT = 2  # 2: adds `base` and `checksum`; format 1 folders (no checksum) cannot be trusted
 MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")  # 3: fixes multiply by matrices (a rotation's): 2 refuses
 NORM_TYPES = ("rmsnorm", "prmsnorm")
+KINDS = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object", list: "a list"}
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
@@ -117,8 +118,7 @@ def _get(where: str, d, key: str, types, ctx: str):
     types = types if isinstance(types, tuple) else (types,)
     # bool is an int to Python; it is never a valid number or width here.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        names = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object"}
-        _fail(where, f"{ctx}.{key} = {value!r} is not {' or '.join(names.get(t, 'a list') for t in types)}")
+        _fail(where, f"{ctx}.{key} = {value!r} is not {' or '.join(KINDS[t] for t in types)}")
     return value
 
 
