@@ -1,6 +1,6 @@
 """CPU, PyTorch: normswap's fused RMSNorm op and converted models against their LayerNorm originals.
 
-    python benchmarks/cpu.py                   # op, models, heal step (~25 min on 2 cores)
+    python benchmarks/cpu.py                   # op, graph, models, share, heal (~1.5 h on 2 cores)
     python benchmarks/cpu.py --quick           # fewer shapes and repeats (~6 min)
     python benchmarks/cpu.py --only op --dtypes fp32 --threads 1
 

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from normswap.ops import graph as graph_form
+
 
 def partial_width(d: int, p: float | None) -> int:
     """Number of leading features pRMSNorm uses to estimate the RMS: ceil(p * d), at least 1.
@@ -69,7 +71,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     On CPU (eager) the scaled pass runs only when a mean square overflowed (the check is free there;
     always scaling cost 1.5-3x); on CUDA without Triton and under torch.func transforms it always runs (no
     host sync, no data-dependent branch for vmap). Skipped under torch.compile and while exporting: one
-    pass over the row, `x * rsqrt(ms + eps)` compiled (Inductor's cheapest form), `x / sqrt(ms + eps)`
+    pass over the row, `x * rsqrt(ms + eps)` compiled (Inductor's cheapest form; on CPU with a gain as
+    ops/graph.py's autograd.Function, whose backward sums dweight in row blocks), `x / sqrt(ms + eps)`
     exported (the form onnxruntime fuses). Their range is then fp32's squares': exact for fp16 inputs
     always, and for fp32 and bf16 rows unless a mean square overflows fp32 (values near 1e19, where
     LayerNorm's own variance overflows too).
@@ -82,6 +85,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     ms = None
     export = exporting()
     graph = export or torch.compiler.is_compiling()   # one pass: no branch on the values in a graph
+    if graph and not export and graph_form.applies(h, weight):   # compiled on CPU: see ops/graph.py
+        y = graph_form.rms_norm_graph(h, weight, eps, k).to(x.dtype)   # x, not h: as below
+        return y if residual is None else (y, h)
     if graph or checked_pass(h):
         ms = hk.pow(2).mean(-1, keepdim=True)
         if not graph and not bool(torch.isfinite(ms).all()):

@@ -1,0 +1,78 @@
+"""The form torch.compile traces for a CPU norm with a gain: one autograd.Function with a written backward.
+
+Why not autograd's backward of the decomposition: it reduces dweight over the rows as one column sum, which
+Inductor's CPU code walks one vector of columns at a time down every row, a strided read of dy and h. At
+sizes that spill L2 that pass was most of the backward, and it is the same pass compiled LayerNorm makes, so
+RMSNorm's saving was lost there (benchmarks/RESULTS.md, "Compiled backward: dweight summed in row blocks").
+Here the rows are summed in blocks of `BLOCK` first, then the block sums. Everything stays traceable, so
+Inductor still fuses the norm with its neighbours (an opaque C++ backward measured slower for that reason).
+The forward is the plain one-pass form `rms_norm_reference` documents for graphs, op for op.
+"""
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as _fwad
+
+# Rows per block of the dweight sum: 16 rows of dy and h per column vector stay in L1 while a block is summed.
+BLOCK = 16
+
+
+def applies(h: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether `rms_norm_graph` serves this call: a CPU tensor with a 1-D gain, outside torch.func transforms
+    and forward-mode AD (an autograd.Function here defines neither a vmap rule nor a jvp)."""
+    return (h.device.type == "cpu" and weight is not None and weight.dim() == 1
+            and not torch._C._are_functorch_transforms_active() and _fwad._current_level < 0)
+
+
+def column_sum(t: torch.Tensor) -> torch.Tensor:
+    """The sum over every dim but the last: in blocks of BLOCK rows, then over the block sums and the rest."""
+    t = t.reshape(-1, t.shape[-1])
+    n, d = t.shape
+    if n < BLOCK:
+        return t.sum(0)
+    q = n // BLOCK
+    blocks = t[:q * BLOCK].view(q, BLOCK, d).sum(1).sum(0)
+    # The rest as the last BLOCK rows less those a block holds: a slice of n % BLOCK rows would make a
+    # dynamic row count recompile when it is 0 (and padding instead made bf16 ~3x slower: masked loads).
+    kept = torch.arange(BLOCK, device=t.device).unsqueeze(-1) >= BLOCK - (n - q * BLOCK)
+    return blocks + torch.where(kept, t[n - BLOCK:], 0.0).sum(0)
+
+
+class _GraphRMSNorm(torch.autograd.Function):
+    """y = h r w with r = (mean(h[..., :k]^2) + eps)^-1/2, in fp32, y in h's dtype; returns (y, r)."""
+
+    @staticmethod
+    def forward(h, weight, eps, k):
+        hf = h.float()
+        hk = hf if k == h.shape[-1] else hf[..., :k]
+        rstd = torch.rsqrt(hk.pow(2).mean(-1, keepdim=True) + eps)
+        return (hf * rstd * weight.float()).to(h.dtype).contiguous(), rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        h, weight, _, k = inputs
+        ctx.save_for_backward(h, weight, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.k = k
+
+    @staticmethod
+    def backward(ctx, dy, _drstd):
+        # With g = dy w and c = sum_j g_j h_j (all d columns: every y_j depends on r):
+        # dh = r g - r^3 (c / k) h [j < k];  dweight = sum over rows of dy h r.
+        h, weight, rstd = ctx.saved_tensors
+        k, d = ctx.k, h.shape[-1]
+        hf, dyf = h.float(), dy.float()
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dyf * weight.float()
+            hk = hf if k == d else torch.where(torch.arange(d, device=h.device) < k, hf, 0.0)
+            c = (g * hf).sum(-1, keepdim=True) * (rstd * rstd / k)
+            dh = (rstd * (g - hk * c)).to(h.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = column_sum(dyf * hf * rstd).to(weight.dtype)
+        return dh, dw, None, None
+
+
+def rms_norm_graph(h: torch.Tensor, weight: torch.Tensor, eps: float, k: int) -> torch.Tensor:
+    """RMSNorm of h (rms from its first k features) with gain `weight`, for a graph torch.compile traces."""
+    return _GraphRMSNorm.apply(h, weight, eps, k)[0]
