@@ -6,7 +6,7 @@ sizes that spill L2 that pass was most of the backward, and it is the same pass 
 RMSNorm's saving was lost there (benchmarks/RESULTS.md, "Compiled backward: dweight summed in row blocks").
 Here the rows are summed in blocks of `BLOCK` first, then the block sums. Everything stays traceable, so
 Inductor still fuses the norm with its neighbours (an opaque C++ backward measured slower for that reason).
-The forward is the plain one-pass form `rms_norm_reference` documents for graphs, op for op.
+Its forward is `one_pass`, the form every compiled norm takes (`rms_norm_graph`), with or without it.
 """
 from __future__ import annotations
 
@@ -38,15 +38,23 @@ def column_sum(t: torch.Tensor) -> torch.Tensor:
     return blocks + torch.where(kept, t[n - BLOCK:], 0.0).sum(0)
 
 
+def one_pass(h: torch.Tensor, weight: torch.Tensor | None, eps: float, k: int):
+    """(y, r): y = h r w in fp32, returned in h's dtype, contiguous; r = (mean(h[..., :k]^2) + eps)^-1/2.
+    One pass over the row, `x * rsqrt(ms + eps)`: Inductor's cheapest form."""
+    hf = h.float()
+    hk = hf if k == h.shape[-1] else hf[..., :k]
+    rstd = torch.rsqrt(hk.pow(2).mean(-1, keepdim=True) + eps)
+    y = hf * rstd
+    y = y if weight is None else y * weight.float()
+    return y.to(h.dtype).contiguous(), rstd   # contiguous as LayerNorm's, whatever h's strides
+
+
 class _GraphRMSNorm(torch.autograd.Function):
-    """y = h r w with r = (mean(h[..., :k]^2) + eps)^-1/2, in fp32, y in h's dtype; returns (y, r)."""
+    """`one_pass` (y, r) with the backward written out; r is not differentiable."""
 
     @staticmethod
     def forward(h, weight, eps, k):
-        hf = h.float()
-        hk = hf if k == h.shape[-1] else hf[..., :k]
-        rstd = torch.rsqrt(hk.pow(2).mean(-1, keepdim=True) + eps)
-        return (hf * rstd * weight.float()).to(h.dtype).contiguous(), rstd
+        return one_pass(h, weight, eps, k)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -73,6 +81,9 @@ class _GraphRMSNorm(torch.autograd.Function):
         return dh, dw, None, None
 
 
-def rms_norm_graph(h: torch.Tensor, weight: torch.Tensor, eps: float, k: int) -> torch.Tensor:
-    """RMSNorm of h (rms from its first k features) with gain `weight`, for a graph torch.compile traces."""
-    return _GraphRMSNorm.apply(h, weight, eps, k)[0]
+def rms_norm_graph(h: torch.Tensor, weight: torch.Tensor | None, eps: float, k: int) -> torch.Tensor:
+    """RMSNorm of h (rms from its first k features, gain `weight`) in h's dtype, for a graph torch.compile
+    traces: the autograd.Function where it `applies`, autograd of `one_pass` elsewhere."""
+    if applies(h, weight):
+        return _GraphRMSNorm.apply(h, weight, eps, k)[0]
+    return one_pass(h, weight, eps, k)[0]

@@ -71,33 +71,31 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     On CPU (eager) the scaled pass runs only when a mean square overflowed (the check is free there;
     always scaling cost 1.5-3x); on CUDA without Triton and under torch.func transforms it always runs (no
     host sync, no data-dependent branch for vmap). Skipped under torch.compile and while exporting: one
-    pass over the row, `x * rsqrt(ms + eps)` compiled (Inductor's cheapest form; on CPU with a gain as
-    ops/graph.py's autograd.Function, whose backward sums dweight in row blocks), `x / sqrt(ms + eps)`
+    pass over the row, `x * rsqrt(ms + eps)` compiled (ops/graph.py: Inductor's cheapest form; on CPU with a
+    gain an autograd.Function whose backward sums dweight in row blocks), `x / sqrt(ms + eps)`
     exported (the form onnxruntime fuses). Their range is then fp32's squares': exact for fp16 inputs
     always, and for fp32 and bf16 rows unless a mean square overflows fp32 (values near 1e19, where
     LayerNorm's own variance overflows too).
     """
     check_float(x, residual)
     h = x if residual is None else x + residual
-    hf = h.float()
     k = partial_width(h.shape[-1], p)
+    export = exporting()
+    if torch.compiler.is_compiling() and not export:   # one pass, no branch on the values: ops/graph.py
+        y = graph_form.rms_norm_graph(h, weight, eps, k).to(x.dtype)   # x's dtype, not h's: as below
+        return y if residual is None else (y, h)
+    hf = h.float()
     hk = hf if k == h.shape[-1] else hf[..., :k]
     ms = None
-    export = exporting()
-    graph = export or torch.compiler.is_compiling()   # one pass: no branch on the values in a graph
-    if graph and not export and graph_form.applies(h, weight):   # compiled on CPU: see ops/graph.py
-        y = graph_form.rms_norm_graph(h, weight, eps, k).to(x.dtype)   # x, not h: as below
-        return y if residual is None else (y, h)
-    if graph or checked_pass(h):
+    if export or checked_pass(h):   # exported: one pass, no branch on the values in a graph
         ms = hk.pow(2).mean(-1, keepdim=True)
-        if not graph and not bool(torch.isfinite(ms).all()):
+        if not export and not bool(torch.isfinite(ms).all()):
             ms = None   # a square overflowed: take the scaled pass below
     if ms is None:
         inv = 1.0 / _pow2_floor_at_least_1(hk.detach().abs().amax(-1, keepdim=True))
         hf, eps = hf * inv, eps * inv * inv
         ms = (hk * inv).pow(2).mean(-1, keepdim=True)
-    # x / sqrt(.) where not compiled: the form onnxruntime's fusion recognises on export
-    y = hf * torch.rsqrt(ms + eps) if graph and not export else hf / torch.sqrt(ms + eps)
+    y = hf / torch.sqrt(ms + eps)   # the form onnxruntime's fusion recognises on export
     if weight is not None:
         y = y * weight.float()
     y = y.to(x.dtype).contiguous()   # as LayerNorm's, whatever x's strides: callers .view() it
