@@ -16,9 +16,10 @@ heal: one training step (forward + backward of the LM loss) original vs converte
 Every table is measured interleaved: candidates alternate within each repeat (order flipped every
 repeat), so drift and neighbours' load hit all alike. Op tables report the fastest repeat (each ~20 ms
 of calls; interference only ever adds time). Model tables report the median of the per-repeat ratios
-converted / original (each repeat times the two back to back) with its 95% confidence interval: a whole
-model's time swings by 5-14% between runs here, more than the norms' share of it, so a ratio is only
-resolved where its interval excludes 1. One-thread runs are timed in
+converted / original (each repeat times them back to back) with its 95% confidence interval, and beside
+it the A/A control copy / original, a deep copy of the original timed in the same repeats: two identical
+models differ here by a few percent (their tensors at other addresses), which no interval of repeats
+shows, so a converted / original ratio is read against that control. One-thread runs are timed in
 the benchmark thread's CPU time (time.thread_time), so a shared machine's other jobs do not count while
 they hold the core; two-thread runs need wall time (and a quiet machine). Ratios < 1: normswap faster.
 """
@@ -85,16 +86,28 @@ def interleaved(cands: dict, reps: int, budget: float = 0.02, stat=statistics.me
     return {name: stat(v) for name, v in repeats(cands, reps, budget).items()}
 
 
-def paired_ratio(cands: dict, reps: int, budget: float) -> tuple[float, float, float, dict[str, float]]:
-    """converted / original: the median of the per-repeat ratios (the two are timed back to back in each
-    repeat, so drift common to both cancels) with its 95% confidence interval (order statistics of the
-    ratios: distribution-free), and each candidate's median seconds per call."""
+def paired_ratio(cands: dict, reps: int, budget: float) -> tuple[dict[str, tuple[float, float, float]], dict]:
+    """Each candidate / "original": the median of the per-repeat ratios (the candidates are timed back to
+    back in each repeat, so drift common to all cancels) with its 95% confidence interval (order statistics
+    of the ratios: distribution-free); and each candidate's median seconds per call."""
     times = repeats(cands, reps, budget)
-    ratios = sorted(c / o for c, o in zip(times["converted"], times["original"]))
-    n = len(ratios)
-    half = 0.98 * n ** 0.5  # the binomial(n, 1/2) ranks around the median that cover it with 95%
-    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
-    return statistics.median(ratios), ratios[lo], ratios[hi], {k: statistics.median(v) for k, v in times.items()}
+    out = {}
+    for name in cands:
+        if name == "original":
+            continue
+        ratios = sorted(c / o for c, o in zip(times[name], times["original"]))
+        n = len(ratios)
+        half = 0.98 * n ** 0.5  # the binomial(n, 1/2) ranks around the median that cover it with 95%
+        lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
+        out[name] = (statistics.median(ratios), ratios[lo], ratios[hi])
+    return out, {k: statistics.median(v) for k, v in times.items()}
+
+
+def with_control(pair: dict) -> dict:
+    """`pair` plus "copy", a deep copy of the original timed the same way: the A/A ratio copy / original is
+    what two identical models differ by here (their tensors at other addresses), the floor a converted /
+    original ratio is read against."""
+    return {**pair, "copy": copy.deepcopy(pair["original"])}
 
 
 def ratio_cell(r: tuple) -> str:
@@ -294,7 +307,7 @@ def bench_models(args, reps: int) -> None:
         for name, orig, conv, seq in models:
             runs = workloads(orig, seq, new_tokens)
             for mode in modes:
-                pair = {"original": orig, "converted": conv}
+                pair = with_control({"original": orig, "converted": conv})
                 if mode == "compiled":
                     pair = {k: copy.deepcopy(m) for k, m in pair.items()}
                     for m in pair.values():
@@ -306,16 +319,18 @@ def bench_models(args, reps: int) -> None:
                             fn(m)
                     rg, rp = (paired_ratio({k: functools.partial(fn, m) for k, m in pair.items()}, reps, budget=0.3)
                               for fn in runs.values())
-                tok = {k: new_tokens / v for k, v in rg[3].items()}
+                tok = {k: new_tokens / v for k, v in rg[1].items()}
                 rows.append([name, mode, str(threads), f"{tok['original']:.1f}", f"{tok['converted']:.1f}",
-                             ratio_cell(rg), f"{rp[3]['original'] * 1e3:.1f}", f"{rp[3]['converted'] * 1e3:.1f}",
-                             ratio_cell(rp)])
+                             ratio_cell(rg[0]["converted"]), ratio_cell(rg[0]["copy"]),
+                             f"{rp[1]['original'] * 1e3:.1f}", f"{rp[1]['converted'] * 1e3:.1f}",
+                             ratio_cell(rp[0]["converted"]), ratio_cell(rp[0]["copy"])])
                 print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Models, original (LayerNorm) vs exact-converted (RMSNorm): greedy generation of {new_tokens} "
           f"tokens after a 16-token prompt, and prefill (batch 1); {reps} repeats, ratio: median of the "
           "per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
-          ["model", "mode", "threads", "orig tok/s", "conv tok/s", "generate: conv / orig", "orig prefill ms",
-           "conv prefill ms", "prefill: conv / orig"], rows)
+          ["model", "mode", "threads", "orig tok/s", "conv tok/s", "generate: conv / orig",
+           "generate A/A: copy / orig", "orig prefill ms", "conv prefill ms", "prefill: conv / orig",
+           "prefill A/A: copy / orig"], rows)
 
 
 class PartTimer:
@@ -432,6 +447,9 @@ def compiled_share(models, new_tokens: int, reps: int) -> None:
     matmuls and attention, are the same extern calls on the same shapes)."""
     import torch._inductor.config as inductor_config
     torch.set_num_threads(1)
+    # Dynamo reuses a graph compiled earlier in this process (the models part's) for any module of the same
+    # structure, parameters being inputs: reset, so these models compile anew with the profiled kernels.
+    torch._dynamo.reset()
     rows = []
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         for name, orig, conv, seq in models:
@@ -471,7 +489,7 @@ def bench_heal(args, reps: int) -> None:
         for (name, orig, conv, _), mode in itertools.product(models, modes):
             batch, length = (8, 128) if "demo" in name else (2, 128 if args.quick else 256)
             ids = torch.randint(0, orig.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
-            pair = {"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()}
+            pair = with_control({"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()})
             for m in pair.values():
                 for mod in m.modules():
                     if isinstance(mod, nn.Dropout):
@@ -487,12 +505,13 @@ def bench_heal(args, reps: int) -> None:
             for m in pair.values():   # compile (or warm) first
                 step(m)()
             r = paired_ratio({k: step(m) for k, m in pair.items()}, reps, budget=0.5)
-            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{r[3]['original'] * 1e3:.0f}",
-                         f"{r[3]['converted'] * 1e3:.0f}", ratio_cell(r)])
+            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{r[1]['original'] * 1e3:.0f}",
+                         f"{r[1]['converted'] * 1e3:.0f}", ratio_cell(r[0]["converted"]), ratio_cell(r[0]["copy"])])
             print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Heal step (forward + backward of the LM loss), original vs exact-converted; {reps} repeats, ratio: "
           "median of the per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
-          ["model", "mode", "batch x tokens", "threads", "original ms", "converted ms", "ratio"], rows)
+          ["model", "mode", "batch x tokens", "threads", "original ms", "converted ms", "conv / orig",
+           "A/A: copy / orig"], rows)
 
 
 def main(argv=None) -> int:
