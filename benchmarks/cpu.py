@@ -307,9 +307,11 @@ def bench_models(args, reps: int) -> None:
         for name, orig, conv, seq in models:
             runs = workloads(orig, seq, new_tokens)
             for mode in modes:
-                pair = with_control({"original": orig, "converted": conv})
-                if mode == "compiled":
+                pair = {"original": orig, "converted": conv}
+                if mode == "compiled":   # compile copies: the eager rows keep the models as they are
                     pair = {k: copy.deepcopy(m) for k, m in pair.items()}
+                pair = with_control(pair)
+                if mode == "compiled":
                     for m in pair.values():
                         m.forward = torch.compile(m.forward, dynamic=True)
 
@@ -317,13 +319,14 @@ def bench_models(args, reps: int) -> None:
                     for m in pair.values():  # compile (or warm) both lengths first
                         for fn in runs.values():
                             fn(m)
-                    rg, rp = (paired_ratio({k: functools.partial(fn, m) for k, m in pair.items()}, reps, budget=0.3)
-                              for fn in runs.values())
-                tok = {k: new_tokens / v for k, v in rg[1].items()}
+                    (gen, gen_s), (pre, pre_s) = (
+                        paired_ratio({k: functools.partial(fn, m) for k, m in pair.items()}, reps, budget=0.3)
+                        for fn in runs.values())
+                tok = {k: new_tokens / v for k, v in gen_s.items()}
                 rows.append([name, mode, str(threads), f"{tok['original']:.1f}", f"{tok['converted']:.1f}",
-                             ratio_cell(rg[0]["converted"]), ratio_cell(rg[0]["copy"]),
-                             f"{rp[1]['original'] * 1e3:.1f}", f"{rp[1]['converted'] * 1e3:.1f}",
-                             ratio_cell(rp[0]["converted"]), ratio_cell(rp[0]["copy"])])
+                             ratio_cell(gen["converted"]), ratio_cell(gen["copy"]),
+                             f"{pre_s['original'] * 1e3:.1f}", f"{pre_s['converted'] * 1e3:.1f}",
+                             ratio_cell(pre["converted"]), ratio_cell(pre["copy"])])
                 print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Models, original (LayerNorm) vs exact-converted (RMSNorm): greedy generation of {new_tokens} "
           f"tokens after a 16-token prompt, and prefill (batch 1); {reps} repeats, ratio: median of the "
@@ -504,9 +507,9 @@ def bench_heal(args, reps: int) -> None:
                 return run
             for m in pair.values():   # compile (or warm) first
                 step(m)()
-            r = paired_ratio({k: step(m) for k, m in pair.items()}, reps, budget=0.5)
-            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{r[1]['original'] * 1e3:.0f}",
-                         f"{r[1]['converted'] * 1e3:.0f}", ratio_cell(r[0]["converted"]), ratio_cell(r[0]["copy"])])
+            r, secs = paired_ratio({k: step(m) for k, m in pair.items()}, reps, budget=0.5)
+            rows.append([name, mode, f"{batch} x {length}", str(threads), f"{secs['original'] * 1e3:.0f}",
+                         f"{secs['converted'] * 1e3:.0f}", ratio_cell(r["converted"]), ratio_cell(r["copy"])])
             print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Heal step (forward + backward of the LM loss), original vs exact-converted; {reps} repeats, ratio: "
           "median of the per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
