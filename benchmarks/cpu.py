@@ -1,6 +1,6 @@
 """CPU, PyTorch: normswap's fused RMSNorm op and converted models against their LayerNorm originals.
 
-    python benchmarks/cpu.py                   # op, graph, models, share, heal (~1.5 h on 2 cores)
+    python benchmarks/cpu.py                   # op, graph, models, share, heal (~2 h on 2 cores)
     python benchmarks/cpu.py --quick           # fewer shapes and repeats (~6 min)
     python benchmarks/cpu.py --only op --dtypes fp32 --threads 1
 
@@ -13,15 +13,16 @@ has work to do), original vs `normswap.convert(model, method="exact")`, eager an
 share: the time inside the modules where the two models differ (norms, the conversion's fixes), eager.
 heal: one training step (forward + backward of the LM loss) original vs converted, eager and compiled.
 
-Every table is measured interleaved: candidates alternate within each repeat (order flipped every
-repeat), so drift and neighbours' load hit all alike. Op tables report the fastest repeat (each ~20 ms
-of calls; interference only ever adds time). Model tables report the median of the per-repeat ratios
-converted / original (each repeat times them back to back) with its 95% confidence interval, and beside
-it the A/A control copy / original, a deep copy of the original timed in the same repeats: two identical
-models differ here by a few percent (their tensors at other addresses), which no interval of repeats
-shows, so a converted / original ratio is read against that control. One-thread runs are timed in
-the benchmark thread's CPU time (time.thread_time), so a shared machine's other jobs do not count while
-they hold the core; two-thread runs need wall time (and a quiet machine). Ratios < 1: normswap faster.
+Every table is measured interleaved: candidates alternate within each repeat (two flip their order every
+repeat, more rotate it), so drift and neighbours' load hit all alike. Op tables report the fastest
+repeat (each ~20 ms of calls; interference only ever adds time). Model tables time each model as an arm of
+identical copies (--instances, 3): two identical models differ here by up to ~5% (their tensors at other
+addresses), a fixed effect of each copy that no number of repeats averages out, and an arm's mean over
+its copies does. They report the median of the per-repeat ratios converted / original (each repeat
+times every copy back to back) with its 95% confidence interval, and beside it the A/A control
+copy / original: an arm of more copies of the original, timed in the same repeats. One-thread runs
+are timed in the benchmark thread's CPU time (time.thread_time), so a shared machine's other jobs do not
+count while they hold the core; two-thread runs need wall time (and a quiet machine). Ratios < 1: normswap faster.
 """
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def parse_args(argv=None):
     ap.add_argument("--threads", default="1,2", help="thread counts for the model tables (op: the first)")
     ap.add_argument("--reps", type=int, default=0, help="repeats per op candidate (default 15, quick 7)")
     ap.add_argument("--model-reps", type=int, default=0,
-                    help="repeats per model pair, models and heal (default 31, quick 15)")
+                    help="repeats per model arm, models and heal (default 15, quick 7)")
+    ap.add_argument("--models", choices=("demo", "gpt2"), action="append",
+                    help="models, share and heal: only these models (default both)")
+    ap.add_argument("--instances", type=int, default=3,
+                    help="identical copies of each model per arm, models and heal (default 3)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidates")
     return ap.parse_args(argv)
 
@@ -86,28 +91,35 @@ def interleaved(cands: dict, reps: int, budget: float = 0.02, stat=statistics.me
     return {name: stat(v) for name, v in repeats(cands, reps, budget).items()}
 
 
-def paired_ratio(cands: dict, reps: int, budget: float) -> tuple[dict[str, tuple[float, float, float]], dict]:
-    """Each candidate / "original": the median of the per-repeat ratios (the candidates are timed back to
-    back in each repeat, so drift common to all cancels) with its 95% confidence interval (order statistics
-    of the ratios: distribution-free); and each candidate's median seconds per call."""
-    times = repeats(cands, reps, budget)
+def paired_ratio(arms: dict, reps: int, budget: float) -> tuple[dict[str, tuple[float, float, float]], dict]:
+    """Each arm / "original": `arms` maps an arm to its instances' calls (the same work on identical copies of
+    one model). Every instance is timed in every repeat, the arms' instances interleaved; an arm's time in a
+    repeat is its instances' mean. The ratio is the median of the per-repeat ratios (drift common to all
+    cancels) with its 95% confidence interval (order statistics of the ratios: distribution-free); also each
+    arm's median seconds per call."""
+    n = len(arms["original"])
+    cands = {(arm, i): fns[i] for i in range(n) for arm, fns in arms.items()}
+    times = repeats(cands, reps, budget / n)
+    per_arm = {arm: [statistics.fmean(times[arm, i][r] for i in range(n)) for r in range(reps)] for arm in arms}
     out = {}
-    for name in cands:
+    for name, t in per_arm.items():
         if name == "original":
             continue
-        ratios = sorted(c / o for c, o in zip(times[name], times["original"]))
-        n = len(ratios)
-        half = 0.98 * n ** 0.5  # the binomial(n, 1/2) ranks around the median that cover it with 95%
-        lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.5))
+        ratios = sorted(c / o for c, o in zip(t, per_arm["original"]))
+        half = 0.98 * reps ** 0.5  # the binomial(n, 1/2) ranks around the median that cover it with 95%
+        lo, hi = max(0, int(reps / 2 - half)), min(reps - 1, int(reps / 2 + half + 0.5))
         out[name] = (statistics.median(ratios), ratios[lo], ratios[hi])
-    return out, {k: statistics.median(v) for k, v in times.items()}
+    return out, {k: statistics.median(v) for k, v in per_arm.items()}
 
 
-def with_control(pair: dict) -> dict:
-    """`pair` plus "copy", a deep copy of the original timed the same way: the A/A ratio copy / original is
-    what two identical models differ by here (their tensors at other addresses), the floor a converted /
-    original ratio is read against."""
-    return {**pair, "copy": copy.deepcopy(pair["original"])}
+def with_control(pair: dict, instances: int) -> dict[str, list]:
+    """Each model of `pair` as an arm of `instances` identical models (it and deep copies of it), plus the arm
+    "copy": as many more copies of the original, the A/A control. Two identical models differ here by up to
+    ~5% (their tensors at other addresses), a fixed effect of each copy that repeats do not average out; an
+    arm's mean over copies does, and copy / original shows what is left."""
+    arms = {k: [m] + [copy.deepcopy(m) for _ in range(instances - 1)] for k, m in pair.items()}
+    arms["copy"] = [copy.deepcopy(pair["original"]) for _ in range(instances)]
+    return arms
 
 
 def ratio_cell(r: tuple) -> str:
@@ -115,7 +127,9 @@ def ratio_cell(r: tuple) -> str:
 
 
 def repeats(cands: dict, reps: int, budget: float) -> dict[str, list[float]]:
-    """Seconds per call of each candidate in each repeat, candidates alternating (order flipped each repeat)."""
+    """Seconds per call of each candidate in each repeat, candidates alternating: two flip their order each
+    repeat; more rotate it by one, so that no candidate ever runs right after itself (it would find its
+    data in cache where the others do not) and each takes every place in turn."""
     now = clock()
     calls = {}
     for name, fn in cands.items():
@@ -126,7 +140,8 @@ def repeats(cands: dict, reps: int, budget: float) -> dict[str, list[float]]:
     times = {name: [] for name in cands}
     order = list(cands)
     for i in range(reps):
-        for name in (order if i % 2 == 0 else order[::-1]):
+        k = i % len(order)
+        for name in (order[k:] + order[:k] if len(order) > 2 else order if i % 2 == 0 else order[::-1]):
             fn, n = cands[name], calls[name]
             t = now()
             for _ in range(n):
@@ -254,24 +269,26 @@ def bench_graph(args, dtype_name: str, reps: int, k: int = 9) -> None:
 
 
 # ---- models ----------------------------------------------------------------------------------------
-def build_models(quick: bool):
-    """[(name, original, converted, prefill length)]: the demo model and a random GPT-2-small."""
+def build_models(quick: bool, which=("demo", "gpt2")):
+    """[(name, original, converted, prefill length)]: the demo model and a random GPT-2-small, those in `which`."""
     import transformers
 
     import normswap
     transformers.logging.set_verbosity_error()
     out = []
-    demo, *_ = normswap.load_model("normswap-demo")
-    out.append(("normswap-demo (4x256)", demo.float().eval(), 128))
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():  # trained-looking norms: the exact conversion must fold real biases
-        for m in gpt2.modules():
-            if isinstance(m, nn.LayerNorm):
-                m.weight.uniform_(0.5, 1.5)
-                m.bias.normal_(0.0, 0.5)
-    out.append(("random GPT-2-small (12x768)", gpt2, 128 if quick else 512))
+    if "demo" in which:
+        demo, *_ = normswap.load_model("normswap-demo")
+        out.append(("normswap-demo (4x256)", demo.float().eval(), 128))
+    if "gpt2" in which:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+        gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+        with torch.no_grad():  # trained-looking norms: the exact conversion must fold real biases
+            for m in gpt2.modules():
+                if isinstance(m, nn.LayerNorm):
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.normal_(0.0, 0.5)
+        out.append(("random GPT-2-small (12x768)", gpt2, 128 if quick else 512))
     result = []
     for name, model, seq in out:
         conv = copy.deepcopy(model)
@@ -298,7 +315,7 @@ def workloads(model: nn.Module, seq: int, new_tokens: int) -> dict:
 
 
 def bench_models(args, reps: int) -> None:
-    models = build_models(args.quick)
+    models = build_models(args.quick, args.models or ("demo", "gpt2"))
     new_tokens = generated_tokens(args)
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     rows = []
@@ -310,18 +327,21 @@ def bench_models(args, reps: int) -> None:
                 pair = {"original": orig, "converted": conv}
                 if mode == "compiled":   # compile copies: the eager rows keep the models as they are
                     pair = {k: copy.deepcopy(m) for k, m in pair.items()}
-                pair = with_control(pair)
+                arms = with_control(pair, args.instances)
+                models_ = [m for ms in arms.values() for m in ms]
                 if mode == "compiled":
-                    for m in pair.values():
+                    for m in models_:
                         m.forward = torch.compile(m.forward, dynamic=True)
 
                 with torch.no_grad():
-                    for m in pair.values():  # compile (or warm) both lengths first
+                    for m in models_:  # compile (or warm) both lengths first
                         for fn in runs.values():
                             fn(m)
                     (gen, gen_s), (pre, pre_s) = (
-                        paired_ratio({k: functools.partial(fn, m) for k, m in pair.items()}, reps, budget=0.3)
+                        paired_ratio({k: [functools.partial(fn, m) for m in ms] for k, ms in arms.items()}, reps,
+                                     budget=0.3)
                         for fn in runs.values())
+                del arms, models_
                 tok = {k: new_tokens / v for k, v in gen_s.items()}
                 rows.append([name, mode, str(threads), f"{tok['original']:.1f}", f"{tok['converted']:.1f}",
                              ratio_cell(gen["converted"]), ratio_cell(gen["copy"]),
@@ -329,8 +349,9 @@ def bench_models(args, reps: int) -> None:
                              ratio_cell(pre["converted"]), ratio_cell(pre["copy"])])
                 print("  ", " | ".join(rows[-1]), flush=True)
     table(f"Models, original (LayerNorm) vs exact-converted (RMSNorm): greedy generation of {new_tokens} "
-          f"tokens after a 16-token prompt, and prefill (batch 1); {reps} repeats, ratio: median of the "
-          "per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
+          f"tokens after a 16-token prompt, and prefill (batch 1); {reps} repeats of {args.instances} copies of "
+          "each model, ratio: median of the per-repeat ratios of the copies' means (95% CI); 1 thread: thread "
+          "CPU time, 2 threads: wall time",
           ["model", "mode", "threads", "orig tok/s", "conv tok/s", "generate: conv / orig",
            "generate A/A: copy / orig", "orig prefill ms", "conv prefill ms", "prefill: conv / orig",
            "prefill A/A: copy / orig"], rows)
@@ -484,7 +505,7 @@ def compiled_share(models, new_tokens: int, reps: int) -> None:
 
 # ---- heal step -------------------------------------------------------------------------------------
 def bench_heal(args, reps: int) -> None:
-    models = build_models(args.quick)
+    models = build_models(args.quick, args.models or ("demo", "gpt2"))
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -492,8 +513,9 @@ def bench_heal(args, reps: int) -> None:
         for (name, orig, conv, _), mode in itertools.product(models, modes):
             batch, length = (8, 128) if "demo" in name else (2, 128 if args.quick else 256)
             ids = torch.randint(0, orig.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
-            pair = with_control({"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()})
-            for m in pair.values():
+            arms = with_control({"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()},
+                                args.instances)
+            for m in (m for ms in arms.values() for m in ms):
                 for mod in m.modules():
                     if isinstance(mod, nn.Dropout):
                         mod.p = 0.0  # same work in both; dropout masks are not the question
@@ -505,14 +527,16 @@ def bench_heal(args, reps: int) -> None:
                     m.zero_grad(set_to_none=True)
                     m(ids, labels=ids).loss.backward()
                 return run
-            for m in pair.values():   # compile (or warm) first
+            for m in (m for ms in arms.values() for m in ms):   # compile (or warm) first
                 step(m)()
-            r, secs = paired_ratio({k: step(m) for k, m in pair.items()}, reps, budget=0.5)
+            r, secs = paired_ratio({k: [step(m) for m in ms] for k, ms in arms.items()}, reps, budget=0.5)
+            del arms
             rows.append([name, mode, f"{batch} x {length}", str(threads), f"{secs['original'] * 1e3:.0f}",
                          f"{secs['converted'] * 1e3:.0f}", ratio_cell(r["converted"]), ratio_cell(r["copy"])])
             print("  ", " | ".join(rows[-1]), flush=True)
-    table(f"Heal step (forward + backward of the LM loss), original vs exact-converted; {reps} repeats, ratio: "
-          "median of the per-repeat ratios (95% CI); 1 thread: thread CPU time, 2 threads: wall time",
+    table(f"Heal step (forward + backward of the LM loss), original vs exact-converted; {reps} repeats of "
+          f"{args.instances} copies of each model, ratio: median of the per-repeat ratios of the copies' means "
+          "(95% CI); 1 thread: thread CPU time, 2 threads: wall time",
           ["model", "mode", "batch x tokens", "threads", "original ms", "converted ms", "conv / orig",
            "A/A: copy / orig"], rows)
 
@@ -524,7 +548,7 @@ def main(argv=None) -> int:
         print("the C++ CPU kernel is unavailable here (see the warning): nothing to measure", file=sys.stderr)
         return 1
     reps = args.reps or (7 if args.quick else 15)
-    model_reps = args.model_reps or (15 if args.quick else 31)
+    model_reps = args.model_reps or (7 if args.quick else 15)
     # One graph per op shape, and per model object for the shared HF forward code: never fall back to eager.
     torch._dynamo.config.recompile_limit = 512
     parts = args.only or ["op", "graph", "models", "share", "heal"]
@@ -540,7 +564,7 @@ def main(argv=None) -> int:
     if "models" in parts:
         bench_models(args, model_reps)
     if "share" in parts:
-        models = build_models(args.quick)
+        models = build_models(args.quick, args.models or ("demo", "gpt2"))
         norm_share(models, generated_tokens(args), model_reps)
         if not args.no_compile:
             compiled_share(models, generated_tokens(args), model_reps)
