@@ -1,6 +1,6 @@
 """CPU, PyTorch: normswap's fused RMSNorm op and converted models against their LayerNorm originals.
 
-    python benchmarks/cpu.py                   # op, graph, models, share, heal (~2 h on 2 cores)
+    python benchmarks/cpu.py                   # op, graph, models, share, heal (~2 h on 2 cores, estimated)
     python benchmarks/cpu.py --quick           # fewer shapes and repeats (~6 min)
     python benchmarks/cpu.py --only op --dtypes fp32 --threads 1
 
@@ -269,13 +269,14 @@ def bench_graph(args, dtype_name: str, reps: int, k: int = 9) -> None:
 
 
 # ---- models ----------------------------------------------------------------------------------------
-def build_models(quick: bool, which=("demo", "gpt2")):
-    """[(name, original, converted, prefill length)]: the demo model and a random GPT-2-small, those in `which`."""
+def build_models(quick: bool, which=None):
+    """[(name, original, converted, prefill length)]: the demo model and a random GPT-2-small, or those in `which`."""
     import transformers
 
     import normswap
     transformers.logging.set_verbosity_error()
     out = []
+    which = which or ("demo", "gpt2")
     if "demo" in which:
         demo, *_ = normswap.load_model("normswap-demo")
         out.append(("normswap-demo (4x256)", demo.float().eval(), 128))
@@ -315,7 +316,7 @@ def workloads(model: nn.Module, seq: int, new_tokens: int) -> dict:
 
 
 def bench_models(args, reps: int) -> None:
-    models = build_models(args.quick, args.models or ("demo", "gpt2"))
+    models = build_models(args.quick, args.models)
     new_tokens = generated_tokens(args)
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     rows = []
@@ -505,7 +506,7 @@ def compiled_share(models, new_tokens: int, reps: int) -> None:
 
 # ---- heal step -------------------------------------------------------------------------------------
 def bench_heal(args, reps: int) -> None:
-    models = build_models(args.quick, args.models or ("demo", "gpt2"))
+    models = build_models(args.quick, args.models)
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -515,7 +516,8 @@ def bench_heal(args, reps: int) -> None:
             ids = torch.randint(0, orig.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
             arms = with_control({"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()},
                                 args.instances)
-            for m in (m for ms in arms.values() for m in ms):
+            models_ = [m for ms in arms.values() for m in ms]
+            for m in models_:
                 for mod in m.modules():
                     if isinstance(mod, nn.Dropout):
                         mod.p = 0.0  # same work in both; dropout masks are not the question
@@ -527,10 +529,10 @@ def bench_heal(args, reps: int) -> None:
                     m.zero_grad(set_to_none=True)
                     m(ids, labels=ids).loss.backward()
                 return run
-            for m in (m for ms in arms.values() for m in ms):   # compile (or warm) first
+            for m in models_:   # compile (or warm) first
                 step(m)()
             r, secs = paired_ratio({k: [step(m) for m in ms] for k, ms in arms.items()}, reps, budget=0.5)
-            del arms
+            del arms, models_
             rows.append([name, mode, f"{batch} x {length}", str(threads), f"{secs['original'] * 1e3:.0f}",
                          f"{secs['converted'] * 1e3:.0f}", ratio_cell(r["converted"]), ratio_cell(r["copy"])])
             print("  ", " | ".join(rows[-1]), flush=True)
@@ -564,7 +566,7 @@ def main(argv=None) -> int:
     if "models" in parts:
         bench_models(args, model_reps)
     if "share" in parts:
-        models = build_models(args.quick, args.models or ("demo", "gpt2"))
+        models = build_models(args.quick, args.models)
         norm_share(models, generated_tokens(args), model_reps)
         if not args.no_compile:
             compiled_share(models, generated_tokens(args), model_reps)
