@@ -14,13 +14,14 @@ share: the time inside the modules where the two models differ (norms, the conve
 heal: one training step (forward + backward of the LM loss) original vs converted, eager and compiled.
 
 Every table is measured interleaved: candidates alternate within each repeat (two flip their order every
-repeat, more rotate it), so drift and neighbours' load hit all alike. Op tables report the fastest
+repeat, more take a new random order), so drift and neighbours' load hit all alike. Op tables report the fastest
 repeat (each ~20 ms of calls; interference only ever adds time). Model tables time each model as an arm of
 identical copies (--instances, 3): two identical models differ here by up to ~5% (their tensors at other
 addresses), a fixed effect of each copy that no number of repeats averages out, and an arm's mean over
 its copies does. They report the median of the per-repeat ratios converted / original (each repeat
 times every copy back to back) with its 95% confidence interval, and beside it the A/A control
-copy / original: an arm of more copies of the original, timed in the same repeats. One-thread runs
+copy / original: an arm of more copies of the original, timed in the same repeats. Each timed model call
+follows one untimed call of the same model (warm, as in a user's loop, whatever ran before it). One-thread runs
 are timed in the benchmark thread's CPU time (time.thread_time), so a shared machine's other jobs do not
 count while they hold the core; two-thread runs need wall time (and a quiet machine). Ratios < 1: normswap faster.
 """
@@ -33,6 +34,7 @@ import functools
 import itertools
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -99,7 +101,7 @@ def paired_ratio(arms: dict, reps: int, budget: float) -> tuple[dict[str, tuple[
     arm's median seconds per call."""
     n = len(arms["original"])
     cands = {(arm, i): fns[i] for i in range(n) for arm, fns in arms.items()}
-    times = repeats(cands, reps, budget / n)
+    times = repeats(cands, reps, budget / n, warm=True)
     per_arm = {arm: [statistics.fmean(times[arm, i][r] for i in range(n)) for r in range(reps)] for arm in arms}
     out = {}
     for name, t in per_arm.items():
@@ -113,23 +115,35 @@ def paired_ratio(arms: dict, reps: int, budget: float) -> tuple[dict[str, tuple[
 
 
 def with_control(pair: dict, instances: int) -> dict[str, list]:
-    """Each model of `pair` as an arm of `instances` identical models (it and deep copies of it), plus the arm
-    "copy": as many more copies of the original, the A/A control. Two identical models differ here by up to
-    ~5% (their tensors at other addresses), a fixed effect of each copy that repeats do not average out; an
-    arm's mean over copies does, and copy / original shows what is left."""
-    arms = {k: [m] + [copy.deepcopy(m) for _ in range(instances - 1)] for k, m in pair.items()}
-    arms["copy"] = [copy.deepcopy(pair["original"]) for _ in range(instances)]
+    """Each model of `pair` as an arm of `instances` deep copies of it, plus the arm "copy": as many more copies
+    of the original, the A/A control. Two identical models differ here by up to ~5% (their tensors at other
+    addresses), a fixed effect of each copy that repeats do not average out; an arm's mean over copies does,
+    and copy / original shows what is left. The copies are made round-robin over the arms (and `flat` lists
+    them so), because where the allocator puts a copy depends on what it did before: arms made one after the
+    other measured the first arm ~1-3% faster than both others in processes that had run other work."""
+    arms = {k: [] for k in (*pair, "copy")}
+    for _ in range(instances):
+        for k in arms:
+            arms[k].append(copy.deepcopy(pair["original" if k == "copy" else k]))
     return arms
+
+
+def flat(arms: dict) -> list:
+    """The arms' models round-robin (warm-up and compilation in that order too)."""
+    return [m for group in zip(*arms.values()) for m in group]
 
 
 def ratio_cell(r: tuple) -> str:
     return f"**{r[0]:.3f}** ({r[1]:.3f}-{r[2]:.3f})"
 
 
-def repeats(cands: dict, reps: int, budget: float) -> dict[str, list[float]]:
+def repeats(cands: dict, reps: int, budget: float, warm: bool = False) -> dict[str, list[float]]:
     """Seconds per call of each candidate in each repeat, candidates alternating: two flip their order each
-    repeat; more rotate it by one, so that no candidate ever runs right after itself (it would find its
-    data in cache where the others do not) and each takes every place in turn."""
+    repeat; more run in a new random order each repeat (seeded), never one right after itself (it would
+    find its data in cache where the others do not). `warm`: one untimed call before each timed batch. A
+    fixed cycle (rotating its start) gave each candidate the same predecessor in every repeat: where that
+    one ran the same compiled code, a model found it warm, and the original arm measured 1-2% faster than
+    its own copies (RESULTS.md, 2026-11-28 15:00)."""
     now = clock()
     calls = {}
     for name, fn in cands.items():
@@ -138,11 +152,19 @@ def repeats(cands: dict, reps: int, budget: float) -> dict[str, list[float]]:
         fn()
         calls[name] = max(1, int(budget / max(now() - t, 1e-6)))
     times = {name: [] for name in cands}
-    order = list(cands)
+    order, rng, last = list(cands), random.Random(0), None
     for i in range(reps):
-        k = i % len(order)
-        for name in (order[k:] + order[:k] if len(order) > 2 else order if i % 2 == 0 else order[::-1]):
+        if len(order) > 2:
+            seq = rng.sample(order, len(order))
+            while seq[0] == last:
+                seq = rng.sample(order, len(order))
+        else:
+            seq = order if i % 2 == 0 else order[::-1]
+        last = seq[-1]
+        for name in seq:
             fn, n = cands[name], calls[name]
+            if warm:
+                fn()
             t = now()
             for _ in range(n):
                 fn()
@@ -325,11 +347,8 @@ def bench_models(args, reps: int) -> None:
         for name, orig, conv, seq in models:
             runs = workloads(orig, seq, new_tokens)
             for mode in modes:
-                pair = {"original": orig, "converted": conv}
-                if mode == "compiled":   # compile copies: the eager rows keep the models as they are
-                    pair = {k: copy.deepcopy(m) for k, m in pair.items()}
-                arms = with_control(pair, args.instances)
-                models_ = [m for ms in arms.values() for m in ms]
+                arms = with_control({"original": orig, "converted": conv}, args.instances)   # copies only
+                models_ = flat(arms)
                 if mode == "compiled":
                     for m in models_:
                         m.forward = torch.compile(m.forward, dynamic=True)
@@ -514,10 +533,10 @@ def bench_heal(args, reps: int) -> None:
         for (name, orig, conv, _), mode in itertools.product(models, modes):
             batch, length = (8, 128) if "demo" in name else (2, 128 if args.quick else 256)
             ids = torch.randint(0, orig.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(3))
-            arms = with_control({"original": copy.deepcopy(orig).train(), "converted": copy.deepcopy(conv).train()},
-                                args.instances)
-            models_ = [m for ms in arms.values() for m in ms]
+            arms = with_control({"original": orig, "converted": conv}, args.instances)
+            models_ = flat(arms)
             for m in models_:
+                m.train()
                 for mod in m.modules():
                     if isinstance(mod, nn.Dropout):
                         mod.p = 0.0  # same work in both; dropout masks are not the question

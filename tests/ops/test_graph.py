@@ -28,10 +28,11 @@ def rel(a, b) -> float:
     return float((a.double() - b).abs().max() / b.abs().max())
 
 
+@pytest.mark.parametrize("plain", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 50])
-def test_column_sum_is_the_sum_over_every_leading_dim(rows):
+def test_column_sum_is_the_sum_over_every_leading_dim(rows, plain):
     t = torch.randn(rows, 3, 40, generator=torch.Generator().manual_seed(rows))
-    got = graph.column_sum(t)
+    got = graph.column_sum(t, plain)
     assert got.shape == (40,)
     torch.testing.assert_close(got.double(), t.double().sum((0, 1)), rtol=1e-6, atol=1e-5)
 
@@ -57,17 +58,20 @@ def test_traced_form_matches_fp64(dtype, tol, p, with_residual):
     assert max(errors) < tol, errors
 
 
-@pytest.mark.parametrize("cls,dtype,tol", [(RMSNorm, torch.float32, 2e-6), (PartialRMSNorm, torch.float32, 2e-6),
-                                           (RMSNorm, torch.bfloat16, 2e-2)])
-def test_inductor_code_matches_fp64(cls, dtype, tol):
-    """The modules compiled by Inductor (generated C++), 37 rows: two row blocks and a remainder."""
+@pytest.mark.parametrize("cls,dtype,rows,tol", [
+    (RMSNorm, torch.float32, 37, 2e-6), (PartialRMSNorm, torch.float32, 37, 2e-6),   # dweight in one pass
+    (RMSNorm, torch.float32, 4111, 2e-6),   # over PLAIN_FP32: 256 row blocks and a remainder of 15
+    (RMSNorm, torch.bfloat16, 37, 2e-2), (RMSNorm, torch.bfloat16, 48, 2e-2)])   # blocks and a rest; none
+def test_inductor_code_matches_fp64(cls, dtype, rows, tol):
+    """The modules compiled by Inductor (generated C++), each dweight sum the backward chooses."""
+    assert (rows * 64 > graph.PLAIN_FP32) == (rows == 4111)
     torch._dynamo.reset()
     norm = cls(64, eps=EPS, **({"p": 0.25} if cls is PartialRMSNorm else {})).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(37, 64, generator=g).to(dtype).requires_grad_()
-    dy = torch.randn(37, 64, generator=g).to(dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(rows, 64, generator=g).to(dtype)
     y = torch.compile(norm, fullgraph=True)(x)
     got = (y, *torch.autograd.grad(y, (x, norm.weight), dy))
     want = fp64_grads(x, norm.weight, dy, 16 if cls is PartialRMSNorm else 64)
