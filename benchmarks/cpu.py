@@ -1,6 +1,6 @@
 """CPU, PyTorch: normswap's fused RMSNorm op and converted models against their LayerNorm originals.
 
-    python benchmarks/cpu.py                   # op, graph, models, share, heal (~2 h on 2 cores, estimated)
+    python benchmarks/cpu.py                   # op, graph, models, share, heal (~4 h on 2 cores, estimated)
     python benchmarks/cpu.py --quick           # fewer shapes and repeats (~6 min)
     python benchmarks/cpu.py --only op --dtypes fp32 --threads 1
 
