@@ -1,7 +1,7 @@
 """CPU, PyTorch: normswap's fused RMSNorm op and converted models against their LayerNorm originals.
 
     python benchmarks/cpu.py                   # op, graph, models, share, heal (~4 h on 2 cores, estimated)
-    python benchmarks/cpu.py --quick           # fewer shapes and repeats (~6 min)
+    python benchmarks/cpu.py --quick           # fewer shapes and repeats (~10 min, estimated)
     python benchmarks/cpu.py --only op --dtypes fp32 --threads 1
 
 op: nn.LayerNorm (the bar), normswap RMSNorm (module, eager), F.rms_norm, and torch.compile of the
@@ -119,8 +119,9 @@ def with_control(pair: dict, instances: int) -> dict[str, list]:
     of the original, the A/A control. Two identical models differ here by up to ~5% (their tensors at other
     addresses), a fixed effect of each copy that repeats do not average out; an arm's mean over copies does,
     and copy / original shows what is left. The copies are made round-robin over the arms (and `flat` lists
-    them so), because where the allocator puts a copy depends on what it did before: arms made one after the
-    other measured the first arm ~1-3% faster than both others in processes that had run other work."""
+    them so): where the allocator puts a copy depends on what it did before, so no arm gets all the early or
+    late places. (Alone this did not remove the first arm's 1-2% lead after other work; the order `repeats`
+    runs them in did, RESULTS.md 2026-11-28 14:26.)"""
     arms = {k: [] for k in (*pair, "copy")}
     for _ in range(instances):
         for k in arms:
@@ -141,9 +142,9 @@ def repeats(cands: dict, reps: int, budget: float, warm: bool = False) -> dict[s
     """Seconds per call of each candidate in each repeat, candidates alternating: two flip their order each
     repeat; more run in a new random order each repeat (seeded), never one right after itself (it would
     find its data in cache where the others do not). `warm`: one untimed call before each timed batch. A
-    fixed cycle (rotating its start) gave each candidate the same predecessor in every repeat: where that
-    one ran the same compiled code, a model found it warm, and the original arm measured 1-2% faster than
-    its own copies (RESULTS.md, 2026-11-28 15:00)."""
+    fixed cycle (rotating its start) gave each candidate the same predecessor in every repeat; the original
+    arm's ran the same compiled code (likely found warm), and that arm measured 1-2% faster than its own
+    copies (RESULTS.md, 2026-11-28 14:26)."""
     now = clock()
     calls = {}
     for name, fn in cands.items():

@@ -16,7 +16,7 @@ import torch.autograd.forward_ad as _fwad
 # Rows per block of the dweight sum: 16 rows of dy and h per column vector stay in L1 while a block is summed.
 BLOCK = 16
 # Rows x width up to which an fp32 norm of a static shape sums dweight in one pass: there dy and h stay in L2,
-# and the blocks' extra pass cost more than the strided walk saves (128 x 768: 0.82x compiled LayerNorm's
+# and the blocks' extra pass cost more than the strided walk saves (128 x 768: 0.83-0.85x compiled LayerNorm's
 # backward, 0.91x blocked); above it, and in bf16 at some widths, the blocks measured faster (RESULTS.md).
 PLAIN_FP32 = 2 ** 18
 
