@@ -19,10 +19,11 @@ from pathlib import Path
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.io import owned, portable, safetensors
+from normswap.io import checksum, owned, portable, safetensors
+from normswap.models import schema
 from normswap.models.introspect import norm_kind
 from normswap.models.rebuild import load_weights
-from normswap.models.save import qualified_name
+from normswap.models.section import qualified_name
 from normswap.models.section import section as model_section
 from normswap.models.section import set_section
 from normswap.norms import build_norm, off_fast_path
@@ -37,7 +38,7 @@ def _record_errors(hint: str = ""):
     except portable.InvalidConversion as e:
         raise NormswapError(str(e).replace("config.json", owned.RECORD) + hint) from None
     except NormswapError as e:
-        raise NormswapError(f"{e}{hint}") from None
+        raise type(e)(f"{e}{hint}") from None
 
 
 def read_record(folder: Path) -> dict:
@@ -55,7 +56,7 @@ def read_record(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise NormswapError(f"{file} cannot be read: {first_line(e, type(e).__name__)}") from None
     if not safetensors.has_weights(folder):
-        raise NormswapError(f"{folder} has no {safetensors.WEIGHTS} nor {safetensors.INDEX}")
+        raise NormswapError(f"{folder} has no {' nor '.join(safetensors.weights_names(folder))}")
     return record
 
 
@@ -109,7 +110,7 @@ def _warn_dtypes(model: nn.Module, folder: Path) -> None:
               "it was saved in for outputs identical to the saved model's", file=sys.stderr)
 
 
-def restore(model: nn.Module, folder) -> nn.Module:
+def restore(model: nn.Module, folder, check_fingerprint: bool = True) -> nn.Module:
     """Rebuild on `model`, a freshly built instance of the user's class (with its original LayerNorms), the
     converted model `save_pretrained` wrote to `folder` (model.safetensors + normswap.json); returns `model`.
 
@@ -120,6 +121,9 @@ def restore(model: nn.Module, folder) -> nn.Module:
     wrong-shaped tensor is an error. The section is set as `model.normswap_section`; the train/eval mode is
     left as it was. Outputs are bit-identical to the saved model's when `model` is built in the dtype it was
     saved in (other dtypes are cast, with a warning). A Hugging Face folder loads with `from_pretrained`.
+    Once the weights are in, the model must reproduce the fingerprint recorded when the folder was saved (one
+    forward of its probe input: another class whose names match, a tie the saved model did not have, are refused;
+    `check_fingerprint=False` or NORMSWAP_NO_FINGERPRINT=1 skip it).
     On an error after the structure was applied, `model` is left part-changed: build a new one.
     """
     _check_fresh(model)
@@ -131,11 +135,12 @@ def restore(model: nn.Module, folder) -> nn.Module:
         f" (the folder was saved from {saved}, this model is a {this})"
     with _record_errors(hint):
         portable.validate(record, where, model)
-        portable.verify_checksum(record, folder, where)   # before the model changes: section and weights' headers
+        checksum.verify_checksum(record, folder, where)   # before the model changes: section and weights' headers
         _check_norms(model, record, where)
         portable.rebuild(model, record, where, build_norm)
         off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the rebuilt norms
         load_weights(model, folder, _strict(where))
+        schema.verify_fingerprint(model, record, where, check_fingerprint)
     _warn_dtypes(model, folder)
     set_section(model, record)
     return model

@@ -4,12 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
+from normswap.io import fingerprint
 from normswap.norms import RMSNorm, build_norm, norm_spec, off_fast_path
 from normswap.ops import check_eps, partial_width
-from normswap.models.inputs.examples import check_examples
+from normswap.models.adopt import adopt
+from normswap.models.inputs.examples import NoInputs, check_examples
+from normswap.models.section import new_section, set_section
 from normswap.models.section import section as model_section
-from normswap.models.section import set_section
 from normswap.surgery.exact import InMemory, auto, exact
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
@@ -32,12 +34,25 @@ def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
     return new
 
 
-def _record(model: nn.Module, report: ConversionReport) -> None:
+def probe(steps: ExactSteps, model: nn.Module) -> dict:
+    """The fingerprint's probe (`io.fingerprint`): the first batch of the inputs the conversion runs on (normswap's
+    first sample, else the user's first example), or why there is none."""
+    try:
+        batch = steps.inputs(model)[0]
+    except NoInputs as e:
+        return {"none": f"no input to run it on ({first_line(e, strip=True)})"}
+    try:
+        return {"probe": {"args": fingerprint.encode(()), "kwargs": fingerprint.encode(batch)}}
+    except TypeError as e:
+        return {"none": f"its first input batch cannot be stored ({e})"}
+
+
+def _record(model: nn.Module, report: ConversionReport, steps: ExactSteps) -> None:
     """Write what was converted into the model's normswap section (`models.section`: config.normswap, saved
     with the config, or an attribute of a model without one)."""
     if not report.converted:
         return
-    section = dict(model_section(model) or {"format": 1, "norms": {}, "added_biases": [], "conversions": []})
+    section = dict(model_section(model) or new_section(model, probe(steps, model)))
     section["norms"] = {**section["norms"],
                         **{r.name: norm_spec(model.get_submodule(r.name)) for r in report.converted}}
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
@@ -86,7 +101,10 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
         raise NormswapError(f"the model's weights are on the meta device ({meta}, ...): load them before "
                             "converting (a saved folder converts with bounded memory through `convert_checkpoint`)")
     check_examples(example_inputs)
-    return convert_with(model, to, method, p, filter_fn, InMemory(example_inputs))[0]
+    report, _ = convert_with(model, to, method, p, filter_fn, InMemory(example_inputs))
+    if report.converted:   # its own save_pretrained now writes a complete, self-verifying folder
+        adopt(model)
+    return report
 
 
 def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
@@ -95,6 +113,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     """`convert`, with the exact method's `steps` given (default: in memory, on the model's own samples);
     (report, what the method did, None when there was nothing to convert)."""
     p = _check_target(to, p)
+    steps = steps or InMemory()
     if method not in METHODS:
         raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(METHODS))}")
     sites, skipped, rms = find_norms(model, filter_fn)
@@ -124,6 +143,6 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             method=_row_method(result.per_norm_method.get(site.name, result.method), to),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
-    _record(model, report)
+    _record(model, report, steps)
     result.after_swap(model, report)
     return report, result

@@ -209,6 +209,9 @@ class InMemory:
     def __init__(self, examples=None):
         self.examples = examples
 
+    def inputs(self, model: nn.Module) -> list[dict]:
+        return model_inputs(model, self.examples)
+
     def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
         return plan(model, sites, examples=self.examples)
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import normswap
-from normswap.io import portable, shipped
+from normswap.io import checksum, fingerprint, portable, shipped
 from normswap.models import hub
 from normswap.models.inputs import sample_inputs
 from normswap.parity import main_output
@@ -134,26 +134,31 @@ def converted(tmp_path_factory):
         report = normswap.convert(model, method="exact")
         assert report.method == "exact" and report.verification["enforced"], name
         normswap.save_pretrained(model, root / name)
+        model.save_pretrained(root / f"{name}-own")   # transformers' own save path, on the converted model
         torch.save(inputs, root / f"{name}-inputs.pt")
         out[name] = (root / name, inputs, want)
     return root, out
 
 
-def test_shipped_file_is_the_portable_module_verbatim(converted):
+def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     root, cases = converted
-    source = portable.__file__
-    text = Path(source).read_text()
-    side = Path(shipped.__file__).read_text()
-    side = side[side.index(hub.SHIPPED_FROM):]   # the transformers side, after portable.py's body
+    first, *rest = [Path(m.__file__).read_text() for m in (portable, checksum, fingerprint, shipped)]
+    expected = "\n\n".join([first] + [text[text.index(hub.SHIPPED_FROM):] for text in rest]) + hub.GENERATED
     for folder, _, _ in cases.values():
-        file = (folder / hub.MODELING_FILE).read_text()
-        assert file.startswith(text) and file[len(text):].lstrip("\n").startswith(side + hub.GENERATED), folder.name
+        for saved in (folder, Path(f"{folder}-own")):
+            assert (saved / hub.MODELING_FILE).read_text().startswith(expected), saved.name
     # It imports the standard library, torch and transformers only: never normswap.
+    tree = ast.parse(hub.shipped_source())
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-                for n in ast.walk(ast.parse(hub.shipped_source())) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [n])}
-    assert imported <= {"__future__", "hashlib", "importlib", "inspect", "json", "math", "os", "re", "struct",
-                        "warnings", "pathlib", "torch", "transformers"}
+    assert imported <= {"__future__", "contextlib", "hashlib", "importlib", "inspect", "json", "math", "os", "re",
+                        "shutil", "struct", "sys", "warnings", "pathlib", "torch", "transformers"}
+    # One namespace: no module's name hides another's (a shared `digest` once broke every section's hash).
+    names = [t.id if isinstance(t, ast.Name) else t.name for node in tree.body
+             for t in (node.targets if isinstance(node, ast.Assign) else [node])
+             if isinstance(t, (ast.Name, ast.FunctionDef, ast.ClassDef))]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     # And normswap rebuilds folders with it: the hooks the conversion installs are its functions.
     from normswap.surgery import centring
     assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix
@@ -167,18 +172,22 @@ def test_every_exact_family_loads_in_plain_transformers_as_the_original(converte
     jobs = {str(folder): str(root / f"{name}-inputs.pt") for name, (folder, _, _) in cases.items()}
     if OTHER_VERSION:
         jobs.update({f"{folder}-original": inputs for folder, inputs in list(jobs.items())})
+    jobs.update({f"{folder}-own": str(root / f"{name}-inputs.pt") for name, (folder, _, _) in cases.items()})
     got = plain_transformers(root, jobs)
     failures = []
-    for name, (folder, inputs, want) in cases.items():
+    saves = [(name, folder, folder, inputs, want) for name, (folder, inputs, want) in cases.items()]
+    saves += [(f"{name} (own save)", Path(f"{folder}-own"), folder, inputs, want)   # transformers' own save path
+              for name, (folder, inputs, want) in cases.items()]
+    for name, folder, base, inputs, want in saves:
         res = got[str(folder)]
-        if OTHER_VERSION and "error" in got[f"{folder}-original"]:   # its original does not load there either:
-            if "error" not in res:                                     # the converted folder must be refused too
-                failures.append(f"{name}: loads where its original does not ({got[f'{folder}-original']})")
+        if OTHER_VERSION and "error" in got[f"{base}-original"]:   # its original does not load there either:
+            if "error" not in res:                                   # the converted folder must be refused too
+                failures.append(f"{name}: loads where its original does not ({got[f'{base}-original']})")
             continue
         if OTHER_VERSION:   # that version's own original (ESM's differs from 5.x's on padded rows)
             want = [next(o for k, o in outputs.items() if k in ("logits", "last_hidden_state")) if any(
                 k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
-                for outputs in torch.load(f"{folder}-original-plain.pt")]
+                for outputs in torch.load(f"{base}-original-plain.pt")]
         if "error" in res:
             failures.append(f"{name}: {res['error']}")
             continue
@@ -216,9 +225,9 @@ def test_a_hand_edited_section_or_other_weights_are_refused_in_plain_transformer
     config["normswap"]["norms"][norm]["eps"] *= 10
     (edited / "config.json").write_text(json.dumps(config))
     swapped = Path(shutil.copytree(source, tmp_path / "swapped"))
-    state = safetensors.torch.load_file(swapped / portable.WEIGHTS)
+    state = safetensors.torch.load_file(swapped / "model.normswap.safetensors")
     state[f"{norm}.weight"] = state[f"{norm}.weight"].half()   # same names and shapes: another file
-    safetensors.torch.save_file(state, swapped / portable.WEIGHTS, metadata={"format": "pt"})
+    safetensors.torch.save_file(state, swapped / "model.normswap.safetensors", metadata={"format": "pt"})
     got = plain_transformers(tmp_path, {str(edited): "-", str(swapped): "-"})
     assert "edited after normswap saved it" in got[str(edited)]["error"]
     assert "are not the ones saved with this config" in got[str(swapped)]["error"]
@@ -237,3 +246,37 @@ def test_a_folder_saved_before_input_fixes_shipped_is_named(converted, tmp_path,
     (folder / hub.MODELING_FILE).write_text(text.replace("def add_input_fix", "def gone"))
     normswap.from_pretrained(folder)
     assert "predates input fixes" in capsys.readouterr().err
+
+
+def test_the_fingerprint_refuses_what_the_old_shipped_code_loaded_wrong(converted, tmp_path):
+    """Issue 46: the shipped code before the fingerprint registered no renaming for VideoMAE's q_bias / v_bias,
+    which transformers 5.24 renames to query.bias / value.bias on load; so the generated class loaded those at
+    random (0.30 off), silently. With that code planted back, the load is refused by the fingerprint alone."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    if OTHER_VERSION or not get_checkpoint_conversion_mapping("videomae"):
+        pytest.skip("this transformers does not rename VideoMAE's tensors")
+    root, cases = converted
+    folder = Path(shutil.copytree(cases["videomae-pretrain"][0], tmp_path / "old-code"))
+    text = (folder / hub.MODELING_FILE).read_text()
+    head = "def register_base_mapping(class_name: str, section: dict) -> None:\n"
+    assert text.count(head) == 1
+    (folder / hub.MODELING_FILE).write_text(text.replace(head, head + "    return   # the old code\n"))
+    got = plain_transformers(tmp_path, {str(folder): "-"})
+    assert "does not reproduce the outputs recorded when it was saved" in got[str(folder)]["error"]
+
+
+def test_weights_of_the_same_layout_copied_over_are_refused_in_plain_transformers(converted, tmp_path):
+    """The checksum hashes the headers: values changed under the same header pass it (the hostile probe's OLMo
+    folder with the original's weights copied over). The fingerprint refuses them, in plain transformers too."""
+    root, cases = converted
+    folder = Path(shutil.copytree(cases["gpt2"][0], tmp_path / "same-header"))
+    file = folder / "model.normswap.safetensors"
+    raw = bytearray(file.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    values = torch.frombuffer(raw, dtype=torch.float32, offset=start)
+    values.mul_(1 + 0.1 * torch.randn_like(values))
+    file.write_bytes(bytes(raw))
+    got = plain_transformers(tmp_path, {str(folder): "-"})
+    assert "does not reproduce the outputs recorded when it was saved" in got[str(folder)]["error"]
+    with pytest.raises(normswap.NormswapError, match="does not reproduce the outputs recorded"):
+        normswap.from_pretrained(folder)

@@ -32,7 +32,8 @@ def test_examples_are_run_and_leave_the_weights_as_without(tmp_path, src, stream
     good = [torch.randint(0, 101, (2, 9)), {"input_ids": torch.randint(0, 101, (1, 3))}]
     with_examples = normswap.convert_checkpoint(src, tmp_path / "ex", replace(o, example_inputs=good))
     assert plain.streamed is with_examples.streamed is streamed
-    assert snapshot(tmp_path / "plain")["model.safetensors"] == snapshot(tmp_path / "ex")["model.safetensors"]
+    weights = "model.normswap.safetensors"
+    assert snapshot(tmp_path / "plain")[weights] == snapshot(tmp_path / "ex")[weights]
     with pytest.raises(NormswapError, match="IndexError|index out of range"):
         normswap.convert_checkpoint(src, tmp_path / "bad", replace(o, example_inputs=torch.full((1, 4), 5000)))
     assert not (tmp_path / "bad").exists()
