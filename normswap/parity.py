@@ -366,14 +366,6 @@ def order(v: float) -> float:
     return math.inf if v != v else v   # NaN sorts worst
 
 
-def refuse_nonfinite(parity: Parity) -> None:
-    """Never save a model that gives NaN/inf: one line saying how many, on both sides."""
-    if parity.nonfinite:
-        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
-                            f"{grouped(parity.outputs) or parity.output} values on sample inputs (the original: "
-                            f"{parity.ref_nonfinite}); nothing was saved")
-
-
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """KL(reference || model) per position, from log-probabilities over the last dim."""
     return (ref_logp.exp() * (ref_logp - logp)).sum(-1)

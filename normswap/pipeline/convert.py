@@ -27,7 +27,7 @@ from normswap.models.inputs.examples import batches_of, check_examples, model_in
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
 from normswap.models.source import Source, check_code, read_folder, read_source, source_folder
-from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
+from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
 from normswap.pipeline.stream import convert_folder, streamable
@@ -36,7 +36,7 @@ from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
 from normswap.surgery.report import ConversionReport
 from normswap.surgery.rotate import RotationReport, rotate
-from normswap.surgery.verification import VerificationFailed
+from normswap.surgery.verification import VerificationFailed, broken_source, refuse_nonfinite
 from normswap.textdata import read_texts
 
 DEFAULTS = ConvertOptions()   # frozen
@@ -179,9 +179,11 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     original = copy.deepcopy(model) if texts else None
     model, tokenizer, report = _converted(src, o, device, model, tokenizer, examples)
     result = ConvertResult(report, None, None, notices=notices)
-    _refuse_broken(src, report)
+    _refuse_broken(src, report)   # its norms named, where they are what gives NaN
     if not report.converted:
         return result
+    if reference.nonfinite:   # the source is at fault, whatever the converted model gives
+        raise broken_source(reference.nonfinite, reference.output, "; nothing was written")
     if texts:
         if tokenizer is None:
             raise NormswapError("`finetune_steps` needs the model's tokenizer files")
