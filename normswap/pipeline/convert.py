@@ -84,11 +84,21 @@ def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
 
 
 def _heal_texts(o: ConvertOptions) -> list[str] | None:
+    """The text `finetune_steps` heals on; refused where there is none, or nothing a heal could bring back."""
+    if o.finetune_steps and o.method == "exact" and o.to == "rmsnorm":
+        raise NormswapError("`finetune_steps` heals a model the conversion changed, and `method='exact'` keeps "
+                            "the original's outputs: healing could only move them away; drop `finetune_steps`, or "
+                            "use `method='naive'` or `method='auto'` (which heals only where it falls back to naive)")
     if o.finetune_steps and not o.data:
         raise NormswapError("`finetune_steps` needs `data`: plain text files to distil on")
     if o.data and not o.finetune_steps:
         raise NormswapError("`data` is used only with `finetune_steps`")
     return read_texts(o.data) if o.finetune_steps else None
+
+
+def _exact(report: ConversionReport) -> bool:
+    """An RMSNorm conversion that kept the original's outputs (verified): nothing for a heal to bring back."""
+    return report.method == "exact" and report.to == "rmsnorm"
 
 
 def _check_rotate(o: ConvertOptions) -> None:
@@ -184,7 +194,10 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
         return result
     if reference.nonfinite:   # the source is at fault, whatever the converted model gives
         raise broken_source(reference.nonfinite, reference.output, "; nothing was written")
-    if texts:
+    if texts and _exact(report):
+        result.notices.append("the conversion is exact (the original's outputs): `finetune_steps` was not used, "
+                              "since healing could only move them away")
+    elif texts:
         if tokenizer is None:
             raise NormswapError("`finetune_steps` needs the model's tokenizer files")
         result.parity_before_heal = compare_to(reference, model, skip=report.unverified)
