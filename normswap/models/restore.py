@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
@@ -55,6 +56,8 @@ def read_record(folder: Path) -> dict:
         record = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise NormswapError(f"{file} cannot be read: {first_line(e, type(e).__name__)}") from None
+    if not isinstance(record, dict):
+        raise NormswapError(f"{file} is not a normswap record (a JSON object): it holds {json.dumps(record)[:40]}")
     if not safetensors.has_weights(folder):
         raise NormswapError(f"{folder} has no {' nor '.join(safetensors.weights_names(folder))}")
     return record
@@ -100,6 +103,20 @@ def _strict(where: str):
     return check
 
 
+def _check_ties(model: nn.Module, folder: Path, where: str) -> None:
+    """A tensor `model` shares under several names (a tied head) must not be stored under two of them with
+    different values: both would load into the one tensor, and only the last would stay (a different model)."""
+    reader, shared = safetensors.Reader(folder), {}
+    keys = set(reader.keys())
+    for name, first in safetensors.aliases(model).items():
+        shared.setdefault(first, []).append(name)
+    for names in shared.values():
+        stored = [n for n in names if n in keys]
+        if any(not torch.equal(reader.get(stored[0]), reader.get(n)) for n in stored[1:]):
+            raise NormswapError(f"{where}: this model ties {' and '.join(stored)} (one tensor), which the folder "
+                                "stores as different tensors: build the model untied, as it was saved")
+
+
 def _warn_dtypes(model: nn.Module, folder: Path) -> None:
     reader = safetensors.Reader(folder)
     state = model.state_dict()
@@ -139,6 +156,7 @@ def restore(model: nn.Module, folder, check_fingerprint: bool = True) -> nn.Modu
         _check_norms(model, record, where)
         portable.rebuild(model, record, where, build_norm)
         off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the rebuilt norms
+        _check_ties(model, folder, where)
         load_weights(model, folder, _strict(where))
         schema.verify_fingerprint(model, record, where, check_fingerprint)
     _warn_dtypes(model, folder)

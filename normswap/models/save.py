@@ -24,6 +24,7 @@ from normswap.models import hub
 from normswap.models.adopt import original_class
 from normswap.models.introspect import is_causal_lm
 from normswap.models.names import renamed_modules, saved_names
+from normswap.models.wrapped import unwrapped
 from normswap.models.section import MODULE_TYPE, has_config, qualified_name, set_section
 from normswap.models.section import section as module_section
 from normswap.models.source import transformers_class
@@ -55,6 +56,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
+    model = unwrapped(model)   # nn.DataParallel, torch.compile: the model inside, as `convert` converted it
     if not has_config(model):
         return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files, lock, fingerprint)
     section, cls = getattr(model.config, "normswap", None), original_class(model)

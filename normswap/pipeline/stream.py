@@ -38,13 +38,13 @@ from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, Folder, Source, dtype_name, read_config, read_folder
 from normswap.norms import build_norm
-from normswap.parity import Parity, compare, refuse_nonfinite
+from normswap.parity import Parity, compare
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.interpret import ExactResult, Recorder, interpret
 from normswap.surgery.plan import Plan
 from normswap.surgery.report import ConversionReport
-from normswap.surgery.verification import enforced, judge
+from normswap.surgery.verification import enforced, judge, refuse_nonfinite
 
 
 def streamable(src: Source) -> bool:

@@ -12,9 +12,11 @@ from normswap.models.adopt import adopt
 from normswap.models.inputs.examples import NoInputs, check_examples
 from normswap.models.section import new_section, set_section
 from normswap.models.section import section as model_section
+from normswap.models.wrapped import unwrapped
 from normswap.surgery.exact import InMemory, auto, exact
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
+from normswap.surgery.trainable import kept_trainable
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
 
 TARGETS = ("rmsnorm", "prmsnorm")
@@ -93,9 +95,15 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
     arguments), as torch.export takes them: exact traces, rehearses and verifies on them (besides normswap's
     own samples for a transformers model); any other nn.Module converts exactly only with them. Running it
     again on a converted model is a no-op.
+
+    A model wrapped in nn.DataParallel or torch.compile is converted inside its wrapper, which then runs the
+    converted model (DistributedDataParallel is refused: convert before wrapping). Parameters the conversion
+    creates keep the user's choice of `requires_grad`: a new norm's gain that of the norm it replaces, an added
+    bias that of its layer's weight.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    model = unwrapped(model)
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None:  # probing needs values: a meta model would have every norm "skipped"
         raise NormswapError(f"the model's weights are on the meta device ({meta}, ...): load them before "
@@ -126,7 +134,16 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             check_eps(site.eps)
         except ValueError as e:
             raise NormswapError(f"{site.name}: {e}") from None
-    result = METHODS[method](model, sites, steps)
+    with kept_trainable(model):
+        result = METHODS[method](model, sites, steps)
+        _swap(model, sites, report, result, to, p, steps)
+        result.after_swap(model, report)   # fixes installed (exact), verified
+    return report, result
+
+
+def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: str,
+          p: float | None, steps: ExactSteps) -> None:
+    """The norms swapped after `result`'s method ran, and what it did written into `report` and the section."""
     report.method = result.method
     report.added_biases = result.added_biases
     report.warnings += result.warnings
@@ -144,5 +161,3 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
     _record(model, report, steps)
-    result.after_swap(model, report)
-    return report, result

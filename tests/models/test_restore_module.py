@@ -160,3 +160,39 @@ def test_overwrite_rules_as_for_hf_folders(tmp_path):
     (other / "normswap.json").write_text('{"format": 2}')   # not a record normswap writes
     assert "was not written by normswap" in one_line_error(
         lambda: normswap.save_pretrained(model, other, overwrite=True))
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "3", '"normswap"'])
+def test_a_record_that_is_not_a_json_object_is_refused(saved, tmp_path, content):
+    """Issue 46 #5: `[]` or `null` gave AttributeError."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(saved["final_norm_out"][1], folder)
+    (folder / "normswap.json").write_text(content)
+    msg = one_line_error(lambda: normswap.restore(built(Encoder), folder))
+    assert msg == f"{folder / 'normswap.json'} is not a normswap record (a JSON object): it holds {content}"
+
+
+class UntiedLM(TiedLM):
+    """TiedLM with a head of its own (other values than the embedding's)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head.weight = torch.nn.Parameter(torch.randn_like(self.wte.weight))
+
+
+def test_a_model_that_ties_what_the_folder_stores_apart_is_refused(tmp_path):
+    """Issue 46 #5: restoring an untied save onto a tied model loaded both tensors into its one shared parameter
+    (rel 0.96-1.58). The other way round, the folder stores the tied tensor once: the untied head is missing."""
+    for cls in (UntiedLM, TiedLM):
+        model = built(cls)
+        normswap.convert(model, method="naive")
+        normswap.save_pretrained(model, tmp_path / cls.__name__)
+    msg = one_line_error(lambda: normswap.restore(built(TiedLM, 1), tmp_path / "UntiedLM"))
+    assert "this model ties wte.weight and head.weight (one tensor), which the folder stores as different" in msg
+    assert "missing head.weight" in one_line_error(lambda: normswap.restore(built(UntiedLM, 1), tmp_path / "TiedLM"))
+    for cls in (UntiedLM, TiedLM):   # each onto its own kind: the saved model
+        fresh, x = normswap.restore(built(cls, 1), tmp_path / cls.__name__), tokens(37)(2, 6, 0)
+        saved_model = built(cls)
+        normswap.convert(saved_model, method="naive")
+        assert torch.equal(run(fresh, x), run(saved_model, x))

@@ -52,3 +52,17 @@ def test_cli_inputs_file(tmp_path, src):
     line = one_error_line(run("convert", src, "--to", "rmsnorm", "--method", "exact", "--inputs", tmp_path / "far.pt",
                               "-o", tmp_path / "o3"))
     assert "IndexError" in line and not (tmp_path / "o3").exists()
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_batch_of_the_users_that_fails_is_called_theirs(tmp_path, src, streamed):
+    """Issue 46 #5: examples the model fails on were blamed on "the sample inputs normswap built"."""
+    far = [torch.randint(0, 101, (2, 5)), {"input_ids": torch.full((1, 4), 5000)}]
+    o = normswap.ConvertOptions(example_inputs=far, load=normswap.LoadOptions(allow_missing_weights=not streamed))
+    with pytest.raises(NormswapError) as e:
+        normswap.convert_checkpoint(src, tmp_path / "o", o)
+    assert str(e.value).startswith("GPT2LMHeadModel fails on your example_inputs batch 1 (IndexError: ")
+    assert not (tmp_path / "o").exists()
+    torch.save({"input_ids": torch.full((1, 3), 999)}, tmp_path / "far.pt")
+    line = one_error_line(run("convert", src, "--to", "rmsnorm", "--inputs", tmp_path / "far.pt", "-o", tmp_path / "o"))
+    assert line.startswith("error: GPT2LMHeadModel fails on your --inputs batch 0 (IndexError: ")

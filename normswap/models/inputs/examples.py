@@ -23,6 +23,15 @@ HOW = ("pass `example_inputs`: a batch of what its forward takes (a tensor, a tu
        "a dict of keyword arguments), or a list of batches")
 
 
+class Example(dict):
+    """One batch of the user's `example_inputs`, bound to the forward's arguments (a dict of them, as normswap's
+    own samples are); `index`: its place among the user's batches, so that a failure on it is called theirs."""
+
+    def __init__(self, arguments: dict, index: int):
+        super().__init__(arguments)
+        self.index = index
+
+
 class NoInputs(NormswapError):
     """normswap cannot build sample inputs for a model, and no example inputs were given."""
 
@@ -69,6 +78,9 @@ def check_batch(batch, i: int) -> str:
         raise NormswapError(f"{where}: a dict batch is keyword arguments, so its keys must be strings")
     if not _tensors(batch):
         raise NormswapError(f"{where} holds no tensor")
+    if any(t.is_meta for t in _tensors(batch)):
+        raise NormswapError(f"{where} holds a tensor on the meta device, which has a shape but no values: give "
+                            "tensors with values")
     return where
 
 
@@ -96,13 +108,13 @@ def bind(model, batch: Batch, i: int = 0) -> dict:
     return out
 
 
-def as_batches(model, example_inputs) -> list[dict]:
+def as_batches(model, example_inputs) -> list[Example]:
     """The user's `example_inputs` bound to `model.forward`, on the model's device, floating tensors in its
     dtype."""
     ref = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = ref.device if ref is not None else torch.device("cpu")
     dtype = ref.dtype if ref is not None else torch.float32
-    return [_placed(bind(model, b, i), device, dtype) for i, b in enumerate(batches_of(example_inputs))]
+    return [Example(_placed(bind(model, b, i), device, dtype), i) for i, b in enumerate(batches_of(example_inputs))]
 
 
 def model_inputs(model, example_inputs=None) -> list[dict]:
