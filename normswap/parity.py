@@ -20,6 +20,7 @@ from torch import nn
 from normswap.errors import NormswapError, first_line
 from normswap.io.spill import Spill, Spilled
 from normswap.models.inputs.examples import Example, model_inputs
+from normswap.io.shipped import original_class
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
 STREAM = re.compile(r"(^|\.|_)hidden_states$")
@@ -237,9 +238,9 @@ def unrunnable(model: nn.Module, e: Exception, batch: dict | None = None) -> Nor
         return e
     line = first_line(e, strip=True)
     if isinstance(batch, Example):
-        return NormswapError(f"{type(model).__name__} fails on your `example_inputs` batch {batch.index} "
+        return NormswapError(f"{original_class(model).__name__} fails on your `example_inputs` batch {batch.index} "
                              f"({type(e).__name__}: {line}): give batches the model runs on")
-    return NormswapError(f"{type(model).__name__} fails on the sample inputs normswap built for it "
+    return NormswapError(f"{original_class(model).__name__} fails on the sample inputs normswap built for it "
                          f"({type(e).__name__}: {line}), so no conversion of it can be checked (inputs of this "
                          "kind are not supported yet)")
 

@@ -37,6 +37,7 @@ from normswap.models.introspect import is_rms_norm
 from normswap.models.modes import eval_mode
 from normswap.norms import PartialRMSNorm
 from normswap.parity import main_output
+from normswap.io.shipped import original_class
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
@@ -112,7 +113,7 @@ def own_inputs(model: nn.Module, with_past: bool) -> list[dict] | None:
     (images of the config's size, log-mel features, waveforms with their mask), less the inputs that only
     switch an optional path on (`bool_masked_pos`); None for a model that reads text (input_ids). Encoder-decoders
     are refused: one graph of both halves is not what their generation runs."""
-    main, name = getattr(model, "main_input_name", "input_ids"), type(model).__name__
+    main, name = getattr(model, "main_input_name", "input_ids"), original_class(model).__name__
     if "decoder_input_ids" in inspect.signature(model.forward).parameters:
         raise NormswapError(f"cannot export {name}: an encoder-decoder (its decoder runs once per generated token "
                             f"on the encoder's output); normswap exports {KINDS}")
@@ -127,14 +128,15 @@ def own_inputs(model: nn.Module, with_past: bool) -> list[dict] | None:
 
 def _main_output(model: nn.Module) -> str:
     if getattr(model.config, "vocab_size", None) is None:
-        raise NormswapError(f"cannot export {type(model).__name__}: it reads input_ids but its config names no "
+        raise NormswapError(f"cannot export {original_class(model).__name__}: it reads input_ids but its config "
+                            "names no "
                             f"vocab_size (a model of several towers?); normswap exports {KINDS}")
     ids = torch.zeros(1, 3, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
         name, _ = main_output(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
     if name in ("logits", "last_hidden_state"):
         return name
-    raise NormswapError(f"{type(model).__name__} returns neither logits nor last_hidden_state")
+    raise NormswapError(f"{original_class(model).__name__} returns neither logits nor last_hidden_state")
 
 
 def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list[str], list[str]], dyn,
@@ -184,7 +186,8 @@ def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes:
     args = tuple(t for _, t in flat)
     names = ([n for n, _ in flat], wrap.output_names(model, batch))
     if not names[1]:
-        raise NormswapError(f"{type(model).__name__} returns no tensor on the example inputs: nothing to export")
+        raise NormswapError(f"{original_class(model).__name__} returns no tensor on the example inputs: nothing "
+                            "to export")
     wrapper = wrap.Flat(model, batch)
     dyn = wrap.auto_shapes(args, axes and [axes.get(n, ()) for n in names[0]])
     try:
@@ -253,9 +256,10 @@ def _check_model(model, example_inputs, with_past: bool) -> None:
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     if next(model.parameters(), None) is None:
-        raise NormswapError(f"{type(model).__name__} has no parameters: nothing to export")
+        raise NormswapError(f"{original_class(model).__name__} has no parameters: nothing to export")
     if example_inputs is None and not has_config(model):
-        raise NormswapError(f"cannot export {type(model).__name__} (not a transformers model with a config) without "
+        raise NormswapError(f"cannot export {original_class(model).__name__} (not a transformers model with a "
+                            "config) without "
                             f"inputs: {HOW}")
     if example_inputs is not None and with_past:
         raise NormswapError("`with_past=True` exports an HF decoder on its own inputs: leave out `example_inputs`")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from normswap.errors import NormswapError
+from normswap.io.shipped import original_class
 
 
 def check_teacher(student, teacher) -> None:
@@ -20,13 +21,13 @@ def check_teacher(student, teacher) -> None:
         return
     reads = [getattr(m, "main_input_name", "input_ids") for m in (student, teacher)]
     if reads[0] != reads[1]:
-        raise NormswapError(f"the teacher ({type(teacher).__name__}) reads `{reads[1]}`, the student "
-                            f"({type(student).__name__}) `{reads[0]}`: distil from the model the student was "
+        raise NormswapError(f"the teacher ({original_class(teacher).__name__}) reads `{reads[1]}`, the student "
+                            f"({original_class(student).__name__}) `{reads[0]}`: distil from the model the student was "
                             "converted from")
     kinds = [bool(getattr(getattr(m, "config", None), "is_encoder_decoder", False)) for m in (student, teacher)]
     if kinds[0] != kinds[1]:
-        raise NormswapError(f"the teacher ({type(teacher).__name__}) is {'an' if kinds[1] else 'not an'} "
-                            f"encoder-decoder and the student ({type(student).__name__}) "
+        raise NormswapError(f"the teacher ({original_class(teacher).__name__}) is {'an' if kinds[1] else 'not an'} "
+                            f"encoder-decoder and the student ({original_class(student).__name__}) "
                             f"{'is' if kinds[0] else 'is not'}: distil from the model the student was converted from")
 
 

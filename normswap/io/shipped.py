@@ -163,3 +163,9 @@ class NormswapMixin:
         if kwargs.get("is_main_process", True):
             finish_folder(self, Path(save_directory), self.normswap_code(), state_dict=kwargs.get("state_dict"))
         return out
+
+
+def original_class(model: nn.Module) -> type:
+    """The class `model` was built as: for an instance of a generated (converted) class, the original one (its
+    first base that is not one), else its own."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, NormswapMixin))

@@ -16,9 +16,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from normswap.io.portable import InvalidConversion
-from normswap.io.shipped import NormswapMixin, register_base_mapping
+from normswap.io.shipped import NormswapMixin, original_class, register_base_mapping
 from normswap.models import hub
 from normswap.models.source import transformers_class
+
+__all__ = ["Converted", "adopt", "converted_class", "original_class", "registered_as_built"]
 
 PREFIX = "Normswap"
 
@@ -51,12 +53,6 @@ def __getattr__(name: str):   # pickle finds a converted class by its name
     if cls is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return converted_class(cls)
-
-
-def original_class(model: nn.Module) -> type:
-    """The class `model` was built as: the original of a converted class (its first base that is not one), else
-    its own."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, NormswapMixin))
 
 
 def adopt(model: nn.Module) -> None:

@@ -28,6 +28,7 @@ from normswap.models.section import qualified_name
 from normswap.models.section import section as model_section
 from normswap.models.section import set_section
 from normswap.norms import build_norm, off_fast_path
+from normswap.io.shipped import original_class
 
 
 @contextlib.contextmanager
@@ -72,7 +73,8 @@ def _check_fresh(model: nn.Module) -> None:
                             "tensors (or call .to_empty(device=...)) before restoring")
     if model_section(model) is not None or any(hasattr(m, "normswap_centre") or hasattr(m, "normswap_centre_input")
                                                for m in model.modules()):
-        raise NormswapError(f"this {type(model).__name__} was already converted or restored: restore needs a freshly "
+        raise NormswapError(f"this {original_class(model).__name__} was already converted or restored: restore "
+                            "needs a freshly "
                             "built instance of its class, with its original norms")
 
 

@@ -12,6 +12,7 @@ from normswap.models.load import load_model
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import GenerateOptions
 from normswap.textdata import max_positions
+from normswap.io.shipped import original_class
 
 
 @dataclass
@@ -56,7 +57,7 @@ def generate_checkpoint(src: str, prompt: str, options: GenerateOptions | None =
     device = resolve_device(o.device)
     model, tok = load_model(src, options=o.load)
     if not is_causal_lm(model):
-        raise NormswapError(f"generate needs a causal LM; {src} is a {type(model).__name__}")
+        raise NormswapError(f"generate needs a causal LM; {src} is a {original_class(model).__name__}")
     if tok is None:
         raise NormswapError(f"{src} has no tokenizer files")
     ids = tok(prompt, return_tensors="pt")["input_ids"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import normswap
+from normswap.io.shipped import original_class
 import normswap.models.load
 import normswap.models.save
 from normswap.models.demo import DEMO_DIR
@@ -141,7 +142,7 @@ def test_folder_layout(tmp_path):
     assert "import normswap" not in source and "from normswap" not in source
     # normswap reads the original type and class back; the section is unchanged by the rewrite.
     loaded = normswap.from_pretrained(tmp_path / "m")
-    assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.model_type == "gpt2"
+    assert original_class(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.model_type == "gpt2"
     assert loaded.config.normswap == config["normswap"]
     # Saving a loaded model again gives the same config.
     normswap.save_pretrained(loaded, tmp_path / "again")

@@ -17,6 +17,7 @@ from normswap.errors import NormswapError, first_line
 from normswap.io.batches import read_batches
 from normswap.models.section import has_config
 from normswap.models.inputs import sample_inputs
+from normswap.io.shipped import original_class
 
 Batch = torch.Tensor | tuple | dict
 HOW = ("pass `example_inputs`: a batch of what its forward takes (a tensor, a tuple of positional arguments or "
@@ -93,14 +94,15 @@ def bind(model, batch: Batch, i: int = 0) -> dict:
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
-        raise NormswapError(f"{where} does not fit {type(model).__name__}.forward{sig}: {first_line(e)}") from None
+        name = original_class(model).__name__
+        raise NormswapError(f"{where} does not fit {name}.forward{sig}: {first_line(e)}") from None
     out = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind == inspect.Parameter.VAR_KEYWORD:
             out.update(value)
         elif kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
-            raise NormswapError(f"{where}: {type(model).__name__}.forward takes `{name}` only by position "
+            raise NormswapError(f"{where}: {original_class(model).__name__}.forward takes `{name}` only by position "
                                 "(*args or positional-only), which normswap cannot pass by name: wrap the model "
                                 "in a module whose forward names its inputs")
         else:
