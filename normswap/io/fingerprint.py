@@ -13,7 +13,8 @@ library and torch only.
   (`hash32`): the same bits on every machine and device, so nothing large is stored.
 - The digest (`digest`): per floating output at the top level of what the model returns (a ModelOutput's
   fields, a tuple's items, a tensor), its shape, L2 norm, SAMPLES values spread over it and PROJECTIONS
-  projections on hashed signs: a wrong value anywhere moves a projection.
+  projections on hashed signs of up to PROJECTED values spread over it: a model that is wrong anywhere moves
+  them.
 - The check (`verify`): the largest of the norm's, the samples' and the projections' errors relative to the
   output's RMS, against TOLERANCE for the lower precision of the saved and the loaded dtype. Skipped only when
   the environment sets SKIP_ENV=1 (or a loader's own switch says so).
@@ -33,7 +34,7 @@ from torch import nn  # noqa: E402
 
 SKIP_ENV = "NORMSWAP_NO_FINGERPRINT"
 LITERAL_INTS, LITERAL_FLOATS = 4096, 64   # tensors up to this size are stored with their values
-SAMPLES, PROJECTIONS, MAX_OUTPUTS = 16, 4, 8
+SAMPLES, PROJECTIONS, PROJECTED, MAX_OUTPUTS = 16, 4, 1 << 16, 8
 FIRST_FORMAT = 4   # sections from this format on record a fingerprint wherever something was converted
 # Relative to an output's RMS. Half precision: another device's kernels move logits by ~1e-2; a wrong model
 # moves them by 1e-1 and more (a missing bias, weights mapped to the wrong names).
@@ -165,8 +166,10 @@ def digest(out) -> dict[str, dict]:
             raise ValueError(f"its output `{name}` holds NaN or inf")
         n = x.numel()
         at = (torch.arange(SAMPLES) * (n - 1)) // (SAMPLES - 1)
-        bits = hash32(n, 7)
-        proj = [float((x * (1.0 - 2.0 * ((bits >> k) & 1).double())).sum()) / math.sqrt(n) for k in range(PROJECTIONS)]
+        m = min(n, PROJECTED)   # projections over at most PROJECTED values spread over the output: a bounded cost
+        bits = hash32(m, 7)
+        signs = 1.0 - 2.0 * torch.stack([(bits >> k) & 1 for k in range(PROJECTIONS)], 1).double()
+        proj = (x[(torch.arange(m) * n) // m] @ signs / math.sqrt(m)).tolist()
         found[name] = {"shape": list(t.shape), "norm": float(x.norm()), "values": x[at].tolist(), "proj": proj}
     return found
 
