@@ -128,57 +128,70 @@ def forward_all(model, inputs: list) -> list:
 
 def auto_class(config: dict) -> str:
     """The class a user of plain transformers loads a folder with: the Auto class its auto_map offers for its
-    architecture, else the Auto class whose table maps its model type to that architecture, else the class."""
+    architecture (else any it offers), else the Auto class whose table maps the architecture (its name without a
+    "Normswap" prefix; under the folder's model type first), else the class of that name, else AutoModel."""
     import transformers
     arch = (config.get("architectures") or [""])[0]
     offered = sorted(k for k, v in (config.get("auto_map") or {}).items() if k != "AutoConfig" and isinstance(v, str))
     fits = [k for k in offered if config["auto_map"][k].endswith("." + arch)]
     if fits or offered:
         return (fits or offered)[0]
-    preferred = ["AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification"]
-    for name in preferred + sorted(n for n in dir(transformers) if n.startswith("AutoModel")):
-        table = getattr(getattr(getattr(transformers, name, None), "_model_mapping", None), "_model_mapping", {})
-        names = table.get(config.get("model_type"))
-        if names == arch or isinstance(names, (list, tuple)) and arch in names:
+    base = arch[len("Normswap"):] if arch.startswith("Normswap") else arch
+    tables = []
+    for name in ["AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageClassification"] + sorted(
+            n for n in dir(transformers) if n.startswith("AutoModel")):
+        table = getattr(getattr(getattr(transformers, name, None), "_model_mapping", None), "_model_mapping", None)
+        tables += [(name, table)] if isinstance(table, dict) else []
+
+    def maps(names) -> bool:
+        return names == base or isinstance(names, (list, tuple)) and base in names
+    for name, table in tables:
+        if maps(table.get(config.get("model_type"))):
             return name
-    return arch
+    for name, table in tables:
+        if any(maps(names) for names in table.values()):
+            return name
+    return base if hasattr(transformers, base) else "AutoModel"
 
 
-def child_job(job: dict) -> dict:
-    """One job of a plain child: load a folder (and run the inputs), re-save one, copy a file, or unpickle."""
+def child_job(job: dict, out: dict) -> None:
+    """One job of a plain child: load a folder (and run the inputs), re-save one, copy a file, or unpickle; what
+    it found goes into `out` (an exception out of it is the job's error)."""
     import torch
     import transformers
     if job["kind"] == "copy":
         shutil.copyfile(job["src"], job["dest"])
-        return {}
+        return
     if job["kind"] in ("signal", "wait"):   # the re-saved folders are written: the other child may read them
         deadline = time.time() + 600
         while job["kind"] == "wait" and not Path(job["path"]).exists() and time.time() < deadline:
             time.sleep(0.2)
         Path(job["path"]).touch()
-        return {}
+        return
+    if job.get("original") and not hasattr(transformers, job["original"]):
+        out["na"] = f"transformers {transformers.__version__} has no {job['original']}"
+        return
     if job["kind"] == "unpickle":
-        model, out = torch.load(job["src"], weights_only=False).eval(), {}
+        model = torch.load(job["src"], weights_only=False).eval()
     else:
         config = json.loads((Path(job["src"]) / "config.json").read_text())
-        name = auto_class(config)
+        out["class"] = name = auto_class(config)
         model, info = getattr(transformers, name).from_pretrained(job["src"], trust_remote_code=True,
                                                                   output_loading_info=True)
         model.eval()
-        out = {"class": f"{name} -> {type(model).__name__}", **{k: sorted(v)[:5] + ([f"+{len(v) - 5}"] if len(v) > 5
-                                                                                  else [])
-                                                                 for k, v in info.items() if v and k != "error_msgs"}}
+        out["class"] = f"{name} -> {type(model).__name__}"
+        out.update({k: sorted(v)[:5] + ([f"+{len(v) - 5}"] if len(v) > 5 else [])
+                    for k, v in info.items() if v and k != "error_msgs"})
         renames = getattr(type(model), "_checkpoint_conversion_mapping", None)   # transformers 4's own renamings
         if renames:
             out["renames"] = len(renames)
     if job["kind"] == "resave":
         model.save_pretrained(job["dest"])
-        return out
+        return
     try:
         torch.save(forward_all(model, torch.load(job["inputs"], weights_only=False)), job["outputs"])
     except Exception as e:
-        return {**out, "error": "forward: " + first_line(e)}
-    return out
+        out["error"] = "forward: " + first_line(e)
 
 
 def child(jobs_file: str) -> None:
@@ -187,10 +200,11 @@ def child(jobs_file: str) -> None:
     jobs = json.loads(Path(jobs_file).read_text())
     results = {"transformers": transformers.__version__}
     for job in jobs:
+        results[job["id"]] = out = {}
         try:
-            results[job["id"]] = child_job(job)
+            child_job(job, out)
         except Exception as e:
-            results[job["id"]] = {"error": first_line(e)}
+            out["error"] = first_line(e)
     Path(jobs_file).with_suffix(".out.json").write_text(json.dumps(results))
 
 
@@ -367,7 +381,7 @@ def load_here(loader: str, folder: Path, cls, config):
     return fresh, {}
 
 
-def plain_jobs(saves: list[str], folders: dict, work: Path) -> tuple[list[dict], list[dict]]:
+def plain_jobs(saves: list[str], folders: dict, work: Path, original: str) -> tuple[list[dict], list[dict]]:
     """(transformers 5 child's jobs: the re-saves, then a load of every folder; transformers 4's: the loads)."""
     jobs = []
     if "c" in saves and "b" in folders:
@@ -382,7 +396,8 @@ def plain_jobs(saves: list[str], folders: dict, work: Path) -> tuple[list[dict],
 
     def loads(loader):
         return [{"id": f"{k}.{loader}", "kind": "load", "src": str(f), "inputs": str(work / "inputs.pt"),
-                 "outputs": str(work / f"{k}.{loader}.pt")} for k, f in folders.items() if k != "pickle"]
+                 "outputs": str(work / f"{k}.{loader}.pt"), "original": original}
+                for k, f in folders.items() if k != "pickle"]
     marker = str(work / "resaved")   # transformers 4 loads once transformers 5 has re-saved (both import meanwhile)
     return (jobs + [{"id": "signal", "kind": "signal", "path": marker}] + loads("2"),
             [{"id": "wait", "kind": "wait", "path": marker}] + loads("3"))
@@ -399,7 +414,7 @@ def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, 
             failed["resaved-orig" if key == "a-user" else key] = "save: " + first_line(e)
     torch.save(conv.inputs, work / "inputs.pt")
     saved = round(time.time() - start, 1)
-    jobs5, jobs4 = plain_jobs(saves, folders, work)
+    jobs5, jobs4 = plain_jobs(saves, folders, work, cls.__name__)
     tf4 = os.environ.get("NORMSWAP_TF4_PYTHON")
     started = [start_plain(work, jobs5, sys.executable, True, "tf5")]   # the two run side by side
     if tf4:
@@ -431,8 +446,10 @@ def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, 
                 cells[cid] = {"outcome": "n/a", "why": "no transformers 4 interpreter (--tf4-python)"}
             elif loader in ("2", "3", "t"):
                 res = got.get(cid, {"error": "not run"})
-                info = {k: v for k, v in res.items() if k != "error"}
-                if "error" in res:
+                info = {k: v for k, v in res.items() if k not in ("error", "na")}
+                if "na" in res:
+                    cells[cid] = {"outcome": "n/a", "why": res["na"]}
+                elif "error" in res:
                     cells[cid] = {"outcome": "REFUSED", "why": res["error"], **info}
                 else:
                     cells[cid] = {**judge(torch.load(work / f"{cid}.pt", weights_only=False), conv, orig, declared),
