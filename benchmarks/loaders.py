@@ -26,6 +26,10 @@ Loaders (1-5b):
   4  the original class by hand: OriginalClass.from_pretrained(out)
   5a fresh_original.load_state_dict(every *.safetensors of out, merged): strict, as written by users
   5b safetensors.torch.load_model(fresh_original, out/model.safetensors)
+A control, save path o: the original, saved by transformers 5's save_pretrained before the conversion and loaded
+by the same loaders, compared to the original (what each loader gives without normswap: transformers 4.57 reading
+transformers 5's renamed checkpoints, load_state_dict and GPT-2's tied head), with `memory`, the converted model
+in memory against the original on these inputs.
 The user rows (`user:demo`, `user:olmo`: the demo model and a tiny OLMo) take other save paths: Trainer(...)
 .save_model(out) and accelerate's Accelerator().save_model(model, out) after a Python convert, torch.save(model)
 read back by torch.load in a new process (loader t), and a folder saved by normswap, re-saved by plain
@@ -390,7 +394,7 @@ def plain_jobs(saves: list[str], folders: dict, work: Path, original: str) -> tu
     if "resaved-orig" in saves and "a-user" in folders:
         dest = work / "resaved-orig"
         jobs += [{"id": "save.resaved-orig", "kind": "resave", "src": str(folders.pop("a-user")), "dest": str(dest)},
-                 {"id": "copy", "kind": "copy", "src": str(work / "original" / "model.safetensors"),
+                 {"id": "copy", "kind": "copy", "src": str(work / "o" / "model.safetensors"),
                   "dest": str(dest / "model.safetensors")}]
         folders["resaved-orig"] = dest
 
@@ -403,11 +407,16 @@ def plain_jobs(saves: list[str], folders: dict, work: Path, original: str) -> tu
             [{"id": "wait", "kind": "wait", "path": marker}] + loads("3"))
 
 
-def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, declared) -> tuple[dict, dict]:
-    """({cell: outcome} for every save path x loader, {notes: versions, transformers 4 renamings})."""
+def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, declared,
+                  original: str | None) -> tuple[dict, dict]:
+    """({cell: outcome} for every save path x loader, {notes: versions, seconds, the re-saves' loads}); `original`:
+    why the original's save (folder o, made before converting) failed, or None."""
     import torch
     folders, failed, start = {}, {}, time.time()
-    for key in [k for k in saves if k not in ("c", "resaved-orig")] + (["a-user"] if "resaved-orig" in saves else []):
+    if "o" in saves:
+        folders, failed = ({}, {"o": original}) if original else ({"o": work / "o"}, {})
+    for key in [k for k in saves if k not in ("o", "c", "resaved-orig")] + (["a-user"] if "resaved-orig" in saves
+                                                                          else []):
         try:
             folders[key] = save(key, model, work)
         except Exception as e:
@@ -444,20 +453,27 @@ def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, 
                 cells[cid] = {"outcome": "REFUSED", "why": failed[key]}
             elif loader == "3" and not tf4:
                 cells[cid] = {"outcome": "n/a", "why": "no transformers 4 interpreter (--tf4-python)"}
-            elif loader in ("2", "3", "t"):
-                res = got.get(cid, {"error": "not run"})
-                info = {k: v for k, v in res.items() if k not in ("error", "na")}
-                if "na" in res:
-                    cells[cid] = {"outcome": "n/a", "why": res["na"]}
-                elif "error" in res:
-                    cells[cid] = {"outcome": "REFUSED", "why": res["error"], **info}
-                else:
-                    cells[cid] = {**judge(torch.load(work / f"{cid}.pt", weights_only=False), conv, orig, declared),
-                                  **info}
+            elif key == "o":   # the control: compared to the original only
+                cells[cid] = cell(loader, key, folders, got, work, cls, config, orig, None, None)
             else:
-                cells[cid] = cell_here(loader, folders[key], cls, config, conv, orig, declared)
+                cells[cid] = cell(loader, key, folders, got, work, cls, config, conv, orig, declared)
     notes["seconds.here"] = round(time.time() - start, 1)
     return cells, notes
+
+
+def cell(loader: str, key: str, folders: dict, got: dict, work: Path, cls, config, conv, orig, declared) -> dict:
+    """The cell of save path `key` by `loader`: from the plain child's result (`got`), or loaded here."""
+    import torch
+    cid = f"{key}.{loader}"
+    if loader in ("2", "3", "t"):
+        res = got.get(cid, {"error": "not run"})
+        info = {k: v for k, v in res.items() if k not in ("error", "na")}
+        if "na" in res:
+            return {"outcome": "n/a", "why": res["na"]}
+        if "error" in res:
+            return {"outcome": "REFUSED", "why": res["error"], **info}
+        return {**judge(torch.load(work / f"{cid}.pt", weights_only=False), conv, orig, declared), **info}
+    return cell_here(loader, folders[key], cls, config, conv, orig, declared)
 
 
 def cell_here(loader: str, folder: Path, cls, config, conv, orig, declared) -> dict:
@@ -504,8 +520,11 @@ def measure(spec: str) -> dict:
     work = Path(tempfile.mkdtemp(prefix="loaders-"))
     try:
         user = spec.startswith("user:")
-        if user:   # transformers' own save of the original: its weights file is copied over a converted folder
-            model.save_pretrained(work / "original")
+        try:   # the control (the original saved by transformers 5); its weights are copied over a user row's folder
+            model.save_pretrained(work / "o")
+            original = None
+        except Exception as e:
+            original = "save: " + first_line(e)
         try:
             report = normswap.convert(model, method="auto")
         except Exception as e:
@@ -515,11 +534,11 @@ def measure(spec: str) -> dict:
         conv = reference_outputs(model, orig.inputs)
         row["convert_rel"] = compare_to(orig, model, skip=dict(report.unverified)).max_rel
         row["seconds.convert"] = round(time.time() - start, 1)
-        cells, row["notes"] = measure_cells(model, cls, config, list(USER_SAVES if user else SAVES), work, conv,
-                                            orig, declared)
+        cells, row["notes"] = measure_cells(model, cls, config, list(USER_SAVES) if user else ["o", *SAVES], work,
+                                            conv, orig, declared, original)
         row["cells"] = json.loads(json.dumps(cells).replace(str(work), "OUT"))   # messages alike across types
         # the converted model in memory after every save (Trainer turns its config's use_cache off)
-        row["memory_after_saves"] = judge(forward_all(model, conv.inputs), conv, orig, declared)
+        row["memory_after_saves"] = judge(forward_all(model, conv.inputs), conv, None, None)
         row["outcome"] = "measured"
     finally:
         if not os.environ.get("NORMSWAP_LOADERS_KEEP"):
@@ -532,10 +551,11 @@ def measure(spec: str) -> dict:
 
 # ---- the tables
 
-def columns(user: bool) -> list[str]:
-    if user:
+def columns(kind: str) -> list[str]:
+    """The cells a table shows: "types" (save paths a, b, c by loader), "control" (o), "users" (by loader)."""
+    if kind == "users":
         return [*FOLDER_LOADERS, "t"]
-    return [f"{s}.{ld}" for s in SAVES for ld in FOLDER_LOADERS]
+    return [f"{s}.{ld}" for s in (["o"] if kind == "control" else SAVES) for ld in FOLDER_LOADERS]
 
 
 def short(cell: dict) -> str:
@@ -546,29 +566,40 @@ def short(cell: dict) -> str:
     return cell["outcome"]
 
 
-def table(rows: list[dict], user: bool) -> list[str]:
-    cols = columns(user)
-    head = ["save path" if user else "type", "class", "method", "renamed"] + cols
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def memory(r: dict) -> str:
+    """The converted model in memory against the original (what every cell is also compared to)."""
+    v = r.get("convert_rel", float("nan"))
+    if r.get("method") != "exact":
+        return f"{r.get('method')} {v:.1e}"
+    return f"OK {v:.0e}" if v <= TOL else f"**off** {v:.1e}"
+
+
+def table(rows: list[dict], kind: str) -> list[str]:
+    cols = columns(kind)
+    first = {"types": ["type", "class", "method", "renamed"], "control": ["type", "memory", "after saves"],
+             "users": ["save path", "class", "method", "memory"]}[kind]
+    lines = ["| " + " | ".join(first + cols) + " |", "|" + "---|" * (len(first) + len(cols))]
     for r in rows:
-        for save in (USER_SAVES if user else [None]):
-            name = f"{r['type']} {save}" if user else r["type"]
+        for save in (USER_SAVES if kind == "users" else [None]):
+            name = f"{r['type']} {save}" if save else r["type"]
             if r.get("outcome") != "measured":
-                lines.append(f"| {name} | {r.get('class', '')} | {r.get('outcome')}: {r.get('why', '')[:80]} | |"
-                             + " |" * len(cols))
+                lines.append(f"| {name} | {r.get('outcome')}: {r.get('why', '')[:80]} |" + " |" * (len(first) - 2
+                                                                                               + len(cols)))
                 continue
-            cells = [short(r["cells"][f"{save}.{c}" if user else c]) for c in cols]
-            renamed = len([x for x in r.get("renamed", []) if x])
-            lines.append(f"| {name} | {r['class']} | {r['method']} | {renamed or ''} | " + " | ".join(cells) + " |")
+            cells = [short(r["cells"].get(f"{save}.{c}" if save else c, {"outcome": "-"})) for c in cols]
+            lead = {"types": [r["class"], r["method"], str(len(r.get("renamed", [])) or "")],
+                    "control": [memory(r), r.get("memory_after_saves", {}).get("outcome", "-")],
+                    "users": [r["class"], r["method"], memory(r)]}[kind]
+            lines.append("| " + " | ".join([name, *lead, *cells]) + " |")
     return lines
 
 
-def counts(rows: list[dict], user: bool) -> list[str]:
-    cols = columns(user)
+def counts(rows: list[dict], kind: str) -> list[str]:
+    cols = columns(kind)
     tally = {c: collections.Counter() for c in cols}
     for r in rows:
         for cid, cell in r.get("cells", {}).items():
-            col = cid.split(".", 1)[1] if user else cid
+            col = cid.split(".", 1)[1] if kind == "users" else cid
             if col in tally:
                 tally[col][cell["outcome"]] += 1
     lines = ["| column | " + " | ".join(OUTCOMES) + " |", "|" + "---|" * (len(OUTCOMES) + 1)]
@@ -583,10 +614,13 @@ def details(rows: list[dict]) -> list[str]:
             if cell["outcome"] == "WRONG":
                 extra = {k: v for k, v in cell.items() if k not in ("outcome", "rel", "rel_original", "worst",
                                                                     "worst_original")}
+                against = "original" if cid.startswith("o.") else "converted"
                 orig = (f", vs original {cell['rel_original']:.2e} ({cell.get('worst_original')})"
                         if "rel_original" in cell else "")
-                lines.append(f"- WRONG {r['type']} {cid}: vs converted {cell.get('rel', float('nan')):.2e} "
-                             f"({cell.get('worst')}){orig}; {json.dumps(extra)[:300]}")
+                same = (" (the converted model reproduced: the conversion itself is off here)"
+                        if cell.get("rel", 1) <= TOL and "rel_original" in cell else "")
+                lines.append(f"- WRONG {r['type']} {cid}: vs {against} {cell.get('rel', float('nan')):.2e} "
+                             f"({cell.get('worst')}){orig}{same}; {json.dumps(extra)[:300]}")
             elif cell["outcome"] == "REFUSED":
                 col = cid.split(".", 1)[1] if r["type"].startswith("user:") else cid
                 refused[(col, cell["why"][:200])].append(r["type"] + ("" if col == cid else f" {cid.split('.')[0]}"))
@@ -603,9 +637,12 @@ def report(path: Path) -> None:
     versions = {f"{k.split('.')[1]} {v}" for r in rows for k, v in r.get("notes", {}).items()
                 if k.startswith("transformers.")}
     print(f"{len(types)} model types, {len(users)} user rows, {path}; transformers {sorted(versions)}")
-    print("\n".join(["", *table(types, False), "", *counts(types, False)]))
+    print("\n".join(["", *table(types, "types"), "", *counts(types, "types")]))
+    print("\n".join(["", "Control: the original, unconverted, saved by transformers 5 (o) and loaded by each loader,",
+                     "compared to the original; memory: the converted model against the original.", "",
+                     *table(types, "control"), "", *counts(types, "control")]))
     if users:
-        print("\n".join(["", *table(users, True), "", *counts(users, True)]))
+        print("\n".join(["", *table(users, "users"), "", *counts(users, "users")]))
     print("\n".join(["", *details(rows)]))
 
 

@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "loaders.py"
 OUTCOMES = ("OK", "WRONG", "REFUSED", "n/a")
-# every save path (a, b, c) by every loader (1, 2, 3, 4, 5a, 5b)
-COLUMNS = [f"{save}.{loader}" for save in "abc" for loader in ("1", "2", "3", "4", "5a", "5b")]
+LOADERS = ("1", "2", "3", "4", "5a", "5b")
+COLUMNS = [f"{save}.{loader}" for save in "abc" for loader in LOADERS]   # every save path by every loader
+CONTROL = [f"o.{loader}" for loader in LOADERS]   # the original saved by transformers, by every loader
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +37,23 @@ def test_the_table_has_every_save_path_by_every_loader(gpt2_run):
     body = next(line for line in lines if line.startswith("| gpt2 |"))
     cells = [c.strip() for c in body.strip("|").split("|")][4:]
     assert len(cells) == len(COLUMNS) and all(c.replace("**", "").split(" ")[0] in OUTCOMES for c in cells), body
+    control = next(line for line in lines if line.startswith("| type | memory |"))
+    assert [c.strip() for c in control.strip("|").split("|")] == ["type", "memory", "after saves", *CONTROL]
     counted = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and line.count("|") == 6]
-    assert counted[1:] == COLUMNS   # the counts table: a row per column, after its header
+    assert counted == ["column", *COLUMNS, "column", *CONTROL]   # the counts tables: a row per column
 
     (row,) = rows
     assert row["outcome"] == "measured" and row["method"] == "exact" and row["class"] == "GPT2LMHeadModel", row
-    assert sorted(row["cells"]) == sorted(COLUMNS)
+    assert sorted(row["cells"]) == sorted(COLUMNS + CONTROL)
     for name, cell in row["cells"].items():
         assert cell["outcome"] in OUTCOMES, (name, cell)
-        if cell["outcome"] in ("OK", "WRONG"):
-            assert isinstance(cell["rel"], float) and isinstance(cell["rel_original"], float), (name, cell)
+        if cell["outcome"] in ("OK", "WRONG"):   # the control is compared to the original alone
+            assert isinstance(cell["rel"], float), (name, cell)
+            assert name in CONTROL or isinstance(cell["rel_original"], float), (name, cell)
         else:
             assert cell["why"], (name, cell)
     assert row["cells"]["a.1"]["outcome"] == "OK"   # normswap's own round trip
+    assert row["cells"]["o.2"]["outcome"] == "OK"   # the original in plain transformers: the loader works
     assert row["memory_after_saves"]["outcome"] == "OK"   # no save changed the model in memory
 
 
@@ -60,4 +65,4 @@ def test_the_table_has_every_save_path_by_every_loader(gpt2_run):
                                        "comes back as another model on today's code")
 def test_no_load_returns_another_model(gpt2_run):
     _, (row,) = gpt2_run
-    assert {name: cell for name, cell in row["cells"].items() if cell["outcome"] == "WRONG"} == {}
+    assert {name: cell for name, cell in row["cells"].items() if cell["outcome"] == "WRONG" and name in COLUMNS} == {}
