@@ -415,8 +415,11 @@ def measure_cells(model, cls, config, saves: list[str], work: Path, conv, orig, 
     folders, failed, start = {}, {}, time.time()
     if "o" in saves:
         folders, failed = ({}, {"o": original}) if original else ({"o": work / "o"}, {})
-    for key in [k for k in saves if k not in ("o", "c", "resaved-orig")] + (["a-user"] if "resaved-orig" in saves
-                                                                          else []):
+    # normswap.save_pretrained last: it updates config.normswap in place (format 2, the checksum of what it wrote),
+    # so transformers' own save (b) and the user paths see the model as normswap.convert left it
+    ours = ["a", "a-user"]
+    for key in sorted([k for k in saves if k not in ("o", "c", "resaved-orig")] + (
+            ["a-user"] if "resaved-orig" in saves else []), key=lambda k: k in ours):
         try:
             folders[key] = save(key, model, work)
         except Exception as e:
