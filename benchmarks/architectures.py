@@ -238,11 +238,13 @@ def model_types() -> list[str]:
     return sorted(MODEL_MAPPING_NAMES)
 
 
-def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+def isolated(script: str | Path, types: list[str], jobs: int, timeout: int):
+    """Each type's row, in order: `script --one TYPE` run in its own process (`jobs` at a time, one thread
+    each), the last JSON line it prints; a timeout or a crash is a row of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def child(t: str) -> dict:
-        cmd = [sys.executable, __file__, "--one", t]
+        cmd = [sys.executable, str(script), "--one", t]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
@@ -253,8 +255,13 @@ def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
             return {"type": t, "outcome": "crash", "why": tail[:300]}
         return json.loads(lines[-1])
 
-    with out.open("w") as f, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for row in pool.map(child, types):
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        yield from pool.map(child, types)
+
+
+def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+    with out.open("w") as f:
+        for row in isolated(__file__, types, jobs, timeout):
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"{row['type']:<32} {row['outcome']:<11} {row.get('why', row.get('worst', ''))[:150]}",
