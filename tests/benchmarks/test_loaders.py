@@ -57,12 +57,7 @@ def test_the_table_has_every_save_path_by_every_loader(gpt2_run):
     assert row["memory_after_saves"]["outcome"] == "OK"   # no save changed the model in memory
 
 
-# Today's code has WRONG cells (issue 46: transformers' own save_pretrained after a Python convert, and loading a
-# converted folder with the original class, give another model without an error). This test asserts there are
-# none; it is marked xfail(strict=True) until issue 46's fix lands. Then it passes, strict makes that an error,
-# and the mark is to be removed so that the assertion holds from then on.
-@pytest.mark.xfail(strict=True, reason="issue 46: a converted model saved or loaded by transformers' own paths "
-                                       "comes back as another model on today's code")
+# No save path and no loader gives another model without an error (issue 46).
 def test_no_load_returns_another_model(gpt2_run):
     _, (row,) = gpt2_run
     assert {name: cell for name, cell in row["cells"].items() if cell["outcome"] == "WRONG" and name in COLUMNS} == {}

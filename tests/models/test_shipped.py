@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
-import transformers
 
 import normswap
 from normswap.io import checksum, fingerprint, portable, shipped
 from normswap.models import hub
-from normswap.models.inputs import sample_inputs
-from normswap.parity import main_output
 
 from helpers.exact_models import FAMILIES, build, perturb
+from helpers.plain import OTHER_VERSION, check_loads, convert_all, plain_transformers
 from helpers.reload_models import MAKERS
 from surgery.test_trace import MODELS
 
@@ -33,118 +28,19 @@ CASES = {**{name: (lambda n=name: build(n)) for name in FAMILIES},
 EXTRA_INPUTS = {f"traced-{name}": inputs if isinstance(inputs, list) else [inputs]   # other shapes than the samples
                 for name, (_, inputs) in MODELS.items()}
 
-# Every floating tensor of a model's output, by path (defined once: the child below runs it too).
-FLAT = '''
-def flat(x, name, out):
-    if isinstance(x, torch.Tensor):
-        if x.is_floating_point():
-            out[name] = x.detach().double()
-    elif isinstance(x, dict):   # a ModelOutput too
-        for k, v in x.items():
-            flat(v, f"{name}.{k}" if name else k, out)
-    elif isinstance(x, (tuple, list)):
-        for i, v in enumerate(x):
-            flat(v, f"{name}.{i}", out)
-'''
-exec(FLAT)
-
-# Runs where normswap cannot be imported: poisoned in sys.modules, refused by a meta-path finder, the
-# repository off the path and the working directory elsewhere. Loads each folder with the Auto class its
-# auto_map offers for its architecture and writes every floating output on the given inputs.
-CHILD = r'''
-import importlib.abc, json, sys
-class Blocker(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "normswap" or name.startswith("normswap."):
-            raise ImportError("normswap is blocked here")
-sys.meta_path.insert(0, Blocker())
-sys.modules["normswap"] = None
-import torch, transformers
-jobs, results = json.load(open(sys.argv[1])), {}
-''' + FLAT + r'''
-
-for folder, inputs_file in jobs.items():
-    config = json.load(open(folder + "/config.json"))
-    arch = config["architectures"][0]
-    if "auto_map" in config:   # a converted folder: the Auto class its auto_map offers
-        auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch))[0]
-    else:                      # an original: its own class
-        auto = arch
-    try:
-        model, info = getattr(transformers, auto).from_pretrained(folder, trust_remote_code=True,
-                                                                  output_loading_info=True)
-        if info["missing_keys"]:   # transformers initialises them at random: not the model saved
-            raise ValueError(f"weights missing: {sorted(info['missing_keys'])[:3]}")
-        model.eval()
-    except Exception as e:
-        results[folder] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-        continue
-    outputs = []
-    with torch.no_grad():
-        for batch in torch.load(inputs_file):
-            out = {}
-            flat(model(**batch), "", out)
-            outputs.append(out)
-    torch.save(outputs, folder + "-plain.pt")
-    results[folder] = {"cls": type(model).__name__, "auto": auto}
-results["transformers"] = transformers.__version__
-json.dump(results, open("results.json", "w"))
-'''
-
-
-# The interpreter that loads the folders: this one, or NORMSWAP_PLAIN_PYTHON's (a venv with the other transformers
-# major version, 4.57: CI runs this file again with it; the folders load there as in transformers 5).
-PLAIN_PYTHON = os.environ.get("NORMSWAP_PLAIN_PYTHON", sys.executable)
-OTHER_VERSION = PLAIN_PYTHON != sys.executable
-
-
-def plain_transformers(tmp_path: Path, jobs: dict[str, str]) -> dict:
-    """Load each folder in a fresh interpreter that cannot import normswap; {folder: result}."""
-    (tmp_path / "child.py").write_text(CHILD)
-    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([PLAIN_PYTHON, "child.py", "jobs.json"], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]   # a broken NORMSWAP_PLAIN_PYTHON fails, never skips
-    results = json.loads((tmp_path / "results.json").read_text())
-    ours = int(transformers.__version__.split(".")[0])
-    # the other major version where one was asked for (4.x beside our 5.x), else this very one
-    assert (int(results.pop("transformers").split(".")[0]) != ours) == OTHER_VERSION, PLAIN_PYTHON
-    return results
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Every case converted exactly and saved; the original's main outputs on its inputs, taken before."""
     root = tmp_path_factory.mktemp("shipped")
-    out = {}
-    for name, make in CASES.items():
-        torch.manual_seed(0)
-        model = make()
-        inputs = sample_inputs(model) + EXTRA_INPUTS.get(name, [])
-        with torch.no_grad():
-            want = [main_output(model(**batch))[1].double() for batch in inputs]
-        if OTHER_VERSION:   # what the other version's own original gives is what the converted folder must give
-            model.save_pretrained(root / f"{name}-original")
-        report = normswap.convert(model, method="exact")
-        assert report.method == "exact" and report.verification["enforced"], name
-        normswap.save_pretrained(model, root / name)
-        model.save_pretrained(root / f"{name}-own")   # transformers' own save path, on the converted model
-        torch.save(inputs, root / f"{name}-inputs.pt")
-        out[name] = (root / name, inputs, want)
-    return root, out
+    return root, convert_all(root, CASES, EXTRA_INPUTS)
 
 
 def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     root, cases = converted
     first, *rest = [Path(m.__file__).read_text() for m in (portable, checksum, fingerprint, shipped)]
     expected = "\n\n".join([first] + [text[text.index(hub.SHIPPED_FROM):] for text in rest]) + hub.GENERATED
-    for folder, _, _ in cases.values():
+    for folder, *_ in cases.values():
         for saved in (folder, Path(f"{folder}-own")):
             assert (saved / hub.MODELING_FILE).read_text().startswith(expected), saved.name
     # It imports the standard library, torch and transformers only: never normswap.
@@ -168,54 +64,7 @@ def test_every_exact_family_loads_in_plain_transformers_as_the_original(converte
     # normswap's side runs the shipped file's arithmetic (the fused CPU kernel rounds differently, ~1 ulp),
     # so any difference left is the rebuild's, not the norm kernel's
     monkeypatch.setenv("NORMSWAP_BACKEND", "torch")
-    root, cases = converted
-    jobs = {str(folder): str(root / f"{name}-inputs.pt") for name, (folder, _, _) in cases.items()}
-    if OTHER_VERSION:
-        jobs.update({f"{folder}-original": inputs for folder, inputs in list(jobs.items())})
-    jobs.update({f"{folder}-own": str(root / f"{name}-inputs.pt") for name, (folder, _, _) in cases.items()})
-    got = plain_transformers(root, jobs)
-    failures = []
-    saves = [(name, folder, folder, inputs, want) for name, (folder, inputs, want) in cases.items()]
-    saves += [(f"{name} (own save)", Path(f"{folder}-own"), folder, inputs, want)   # transformers' own save path
-              for name, (folder, inputs, want) in cases.items()]
-    for name, folder, base, inputs, want in saves:
-        res = got[str(folder)]
-        if OTHER_VERSION and "error" in got[f"{base}-original"]:   # its original does not load there either:
-            if "error" not in res:                                   # the converted folder must be refused too
-                failures.append(f"{name}: loads where its original does not ({got[f'{base}-original']})")
-            continue
-        if OTHER_VERSION:   # that version's own original (ESM's differs from 5.x's on padded rows)
-            want = [next(o for k, o in outputs.items() if k in ("logits", "last_hidden_state")) if any(
-                k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
-                for outputs in torch.load(f"{base}-original-plain.pt")]
-        if "error" in res:
-            failures.append(f"{name}: {res['error']}")
-            continue
-        assert res["cls"].startswith("Normswap"), name
-        plain = torch.load(f"{folder}-plain.pt")
-        ours = normswap.from_pretrained(folder)
-        # relative to the output's largest value over all batches: one batch's near-cancelling value (CLIP's
-        # 64-token row: a cosine of 0.005) would make a 1-ulp difference look large
-        scale = max(ref.abs().max().item() for ref in want)
-        mines = []
-        for batch, ref, outputs in zip(inputs, want, plain):
-            # the main output (logits, else last_hidden_state, else the first) is the original's ...
-            key = next((k for k in ("logits", "last_hidden_state") if k in outputs), next(iter(outputs)))
-            off = (outputs[key].double() - ref).abs().max().item() / scale
-            if off > 1e-5:
-                failures.append(f"{name}: {key} off by {off:.3g} against the original")
-            # ... and every floating output is what normswap's own rebuild gives (one implementation; under
-            # the other major version the output structures differ, so the main output only)
-            if PLAIN_PYTHON != sys.executable:
-                continue
-            with torch.no_grad():
-                mines.append({})
-                flat(ours(**batch), "", mines[-1])  # noqa: F821 (defined by exec)
-            assert mines[-1].keys() == outputs.keys(), name
-        # each output relative to its largest value over the batches, as above
-        scales = {k: max(m[k].abs().max().item() for m in mines) for k in (mines[0] if mines else {})}
-        failures += [f"{name}: {k} off by {off:.3g} against normswap's load" for mine, outputs in zip(mines, plain)
-                     for k in mine if (off := (outputs[k] - mine[k]).abs().max().item() / max(scales[k], 1e-30)) > 1e-6]
+    failures = check_loads(*converted)
     assert not failures, failures
 
 
