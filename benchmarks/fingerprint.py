@@ -62,13 +62,16 @@ def arms(folder: Path, first: bool) -> dict:
 FIRST = torch.randint(0, 8000, (8, 64))   # the first batch a user runs
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def timed(fn, clock=time.perf_counter) -> float:
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def measure(folder: Path, repeats: int, first: bool, seed: int = 0) -> dict[str, float]:
+def measure(folder: Path, repeats: int, first: bool, seed: int = 0, clock=time.perf_counter) -> dict[str, float]:
     runs = arms(folder, first)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for fn in runs.values():   # warm-up: page cache, imports, the shipped module's first import
@@ -78,7 +81,7 @@ def measure(folder: Path, repeats: int, first: bool, seed: int = 0) -> dict[str,
     for _ in range(repeats):
         rng.shuffle(order)
         for name in order:
-            times[name].append(timed(runs[name]))
+            times[name].append(timed(runs[name], clock))
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -86,15 +89,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", default="demo,gpt2-small")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall: elapsed time (a quiet machine); cpu: this process's CPU time, all threads (a busy "
+                         "one: other jobs' time left out)")
+    ap.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
+          f"clock {args.clock}, repeats {args.repeats}")
     print("| model | loader | measured | with the check (s) | without (s) | check's share |")
     print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, folder in folders(Path(tmp), args.models.split(",")).items():
             for first in (False, True):
-                med = measure(folder, args.repeats, first)
+                med = measure(folder, args.repeats, first, clock=CLOCKS[args.clock])
                 for loader in ("normswap", "plain"):
                     on, off = med[f"{loader}, checked"], med[f"{loader}, unchecked"]
                     what = "load + first forward" if first else "load"
