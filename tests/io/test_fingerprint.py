@@ -13,6 +13,7 @@ from torch import nn
 import normswap
 from normswap.io import fingerprint as fp
 from normswap.models.schema import FingerprintFailed
+from normswap.surgery.convert import PROBE_TOKENS
 
 from helpers.restore_models import Encoder, TiedLM
 from helpers.tiny import tiny_model
@@ -108,7 +109,7 @@ def converted_module(cls=TiedLM, **kw):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    example = torch.randint(0, 37, (2, 6)) if cls is TiedLM else torch.randn(2, 5, 12)
+    example = torch.randint(0, 37, (2, 6)) if issubclass(cls, TiedLM) else torch.randn(2, 5, 12)
     normswap.convert(model, method="exact", example_inputs=example)
     return model, example
 
@@ -118,9 +119,30 @@ def test_a_module_folder_records_the_first_example_and_restore_checks_it(tmp_pat
     normswap.save_pretrained(model, tmp_path / "m")
     record = json.loads((tmp_path / "m" / "normswap.json").read_text())
     found = record["fingerprint"]
-    assert torch.equal(fp.decode(found["probe"]["kwargs"], "cpu", torch.float32)["idx"], example)
+    # token ids: the example's first PROBE_TOKENS positions (a forward of a few tokens: a small share of a load)
+    kept = fp.decode(found["probe"]["kwargs"], "cpu", torch.float32)["idx"]
+    assert torch.equal(kept, example[:, :PROBE_TOKENS]) and PROBE_TOKENS < example.shape[1]
     assert set(found["outputs"]) == {"output"} and found["dtype"] == "float32"
     fresh = normswap.restore(TiedLM(), tmp_path / "m")
+    assert torch.equal(fresh(example), model(example))
+
+
+class FixedLength(TiedLM):
+    """A model that runs on its full block only (a fixed-size position table added whole)."""
+
+    def forward(self, idx):
+        if idx.shape[1] != 6:
+            raise ValueError(f"expected 6 positions, got {idx.shape[1]}")
+        return super().forward(idx)
+
+
+def test_a_model_that_needs_its_full_length_keeps_the_whole_example_as_its_probe(tmp_path):
+    model, example = converted_module(FixedLength)
+    normswap.save_pretrained(model, tmp_path / "m")
+    found = json.loads((tmp_path / "m" / "normswap.json").read_text())["fingerprint"]
+    assert torch.equal(fp.decode(found["probe"]["kwargs"], "cpu", torch.float32)["idx"], example)
+    assert "outputs" in found   # still self-verifying
+    fresh = normswap.restore(FixedLength(), tmp_path / "m")
     assert torch.equal(fresh(example), model(example))
 
 
