@@ -124,6 +124,34 @@ def tiny_dict(config, every_kind: bool = True) -> dict:
     return out
 
 
+def renamed_by(model) -> list[str]:
+    """The keys of transformers 5's checkpoint renaming table whose renaming loading `model` applies, the root's
+    first: per sub-model (itself included), its class name's entry, else its model_type's, as
+    `conversion_mapping.get_model_conversion_mapping` picks them (none in transformers 4)."""
+    from transformers import PreTrainedModel
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    seen: dict[str, list[str]] = collections.defaultdict(list)   # key -> the sub-models that claimed it
+    keys = []
+    for name, sub in model.named_modules():
+        if not isinstance(sub, PreTrainedModel):
+            continue
+        cls, kind = type(sub).__name__, sub.config.model_type
+        claimed = {k for k in (cls, kind) if any(s == "" or name.startswith(s + ".") for s in seen[k])}
+        if cls in claimed:   # by an ancestor
+            continue
+        via_class = get_checkpoint_conversion_mapping(cls) is not None
+        if not via_class and (not kind or kind in claimed or get_checkpoint_conversion_mapping(kind) is None):
+            continue
+        keys.append(cls if via_class else kind)
+        seen[cls].append(name)
+        if not via_class:
+            seen[kind].append(name)
+    return list(dict.fromkeys(keys))
+
+
 def uses_mrope(config) -> bool:
     """Whether the config's modelling code splits its rotary pairs by (time, rows, columns): Qwen-VL's M-RoPE."""
     import importlib
@@ -135,17 +163,20 @@ def uses_mrope(config) -> bool:
 
 
 def build(model_type: str):
-    """(tiny model, its class name) or raise."""
+    """(tiny model, its class name) or raise. `model_type` may be a transformers model class's name instead."""
     import torch
     import transformers as tf
     from transformers.models.auto import modeling_auto as auto
 
-    for table in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-                  "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
-                  *sorted(n for n in dir(auto) if n.endswith("_MAPPING_NAMES"))):
-        name = getattr(auto, table).get(model_type)
+    tables = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+              "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+              *sorted(n for n in dir(auto) if n.endswith("_MAPPING_NAMES")))
+    if isinstance(getattr(tf, model_type, None), type) and issubclass(getattr(tf, model_type), tf.PreTrainedModel):
+        tables = ({model_type: model_type},)   # a class name (transformers' renaming tables name some)
+    for table in tables:
+        name = (getattr(auto, table) if isinstance(table, str) else table).get(model_type)
         name = name[0] if isinstance(name, (list, tuple)) else name
-        if name and hasattr(tf, name):
+        if name and isinstance(getattr(tf, name, None), type) and issubclass(getattr(tf, name), tf.PreTrainedModel):
             cls = getattr(tf, name)
             config_cls = cls.config_class or tf.CONFIG_MAPPING[model_type]   # MusicGen's decoder: its own
             try:
@@ -176,6 +207,7 @@ def one(model_type: str) -> dict:
         model, row["class"] = build(model_type)
     except Exception as e:
         return {**row, "outcome": "unbuilt", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+    row["renamed"] = renamed_by(model)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
     row["layernorms"] = len(norms)
     if not norms or sum(p.numel() for p in model.parameters()) > 30e6:
@@ -238,11 +270,13 @@ def model_types() -> list[str]:
     return sorted(MODEL_MAPPING_NAMES)
 
 
-def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+def isolated(script: str | Path, types: list[str], jobs: int, timeout: int):
+    """Each type's row, in order: `script --one TYPE` run in its own process (`jobs` at a time, one thread
+    each), the last JSON line it prints; a timeout or a crash is a row of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def child(t: str) -> dict:
-        cmd = [sys.executable, __file__, "--one", t]
+        cmd = [sys.executable, str(script), "--one", t]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
@@ -253,8 +287,13 @@ def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
             return {"type": t, "outcome": "crash", "why": tail[:300]}
         return json.loads(lines[-1])
 
-    with out.open("w") as f, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for row in pool.map(child, types):
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        yield from pool.map(child, types)
+
+
+def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+    with out.open("w") as f:
+        for row in isolated(__file__, types, jobs, timeout):
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"{row['type']:<32} {row['outcome']:<11} {row.get('why', row.get('worst', ''))[:150]}",

@@ -93,15 +93,15 @@ def interleaved(cands: dict, reps: int, budget: float = 0.02, stat=statistics.me
     return {name: stat(v) for name, v in repeats(cands, reps, budget).items()}
 
 
-def paired_ratio(arms: dict, reps: int, budget: float) -> tuple[dict[str, tuple[float, float, float]], dict]:
+def paired_ratio(arms: dict, reps: int, budget: float, now=None) -> tuple[dict[str, tuple[float, float, float]], dict]:
     """Each arm / "original": `arms` maps an arm to its instances' calls (the same work on identical copies of
     one model). Every instance is timed in every repeat, the arms' instances interleaved; an arm's time in a
     repeat is its instances' mean. The ratio is the median of the per-repeat ratios (drift common to all
     cancels) with its 95% confidence interval (order statistics of the ratios: distribution-free); also each
-    arm's median seconds per call."""
+    arm's median seconds per call. `now`: the clock, as in `repeats`."""
     n = len(arms["original"])
     cands = {(arm, i): fns[i] for i in range(n) for arm, fns in arms.items()}
-    times = repeats(cands, reps, budget / n, warm=True)
+    times = repeats(cands, reps, budget / n, warm=True, now=now)
     per_arm = {arm: [statistics.fmean(times[arm, i][r] for i in range(n)) for r in range(reps)] for arm in arms}
     out = {}
     for name, t in per_arm.items():
@@ -138,14 +138,15 @@ def ratio_cell(r: tuple) -> str:
     return f"**{r[0]:.3f}** ({r[1]:.3f}-{r[2]:.3f})"
 
 
-def repeats(cands: dict, reps: int, budget: float, warm: bool = False) -> dict[str, list[float]]:
+def repeats(cands: dict, reps: int, budget: float, warm: bool = False, now=None) -> dict[str, list[float]]:
     """Seconds per call of each candidate in each repeat, candidates alternating: two flip their order each
     repeat; more run in a new random order each repeat (seeded), never one right after itself (it would
     find its data in cache where the others do not). `warm`: one untimed call before each timed batch. A
     fixed cycle (rotating its start) gave each candidate the same predecessor in every repeat; the original
     arm's ran the same compiled code (likely found warm), and that arm measured 1-2% faster than its own
-    copies (RESULTS.md, 2026-11-28 14:26)."""
-    now = clock()
+    copies (RESULTS.md, 2026-11-28 14:26). `now`: the clock (default `clock()`; benchmarks/gpu.py passes wall
+    time, its calls ending in a device synchronize)."""
+    now = now or clock()
     calls = {}
     for name, fn in cands.items():
         fn()
@@ -304,23 +305,34 @@ def build_models(quick: bool, which=None):
         demo, *_ = normswap.load_model("normswap-demo")
         out.append(("normswap-demo (4x256)", demo.float().eval(), 128))
     if "gpt2" in which:
-        torch.manual_seed(0)
         cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-        gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
-        with torch.no_grad():  # trained-looking norms: the exact conversion must fold real biases
-            for m in gpt2.modules():
-                if isinstance(m, nn.LayerNorm):
-                    m.weight.uniform_(0.5, 1.5)
-                    m.bias.normal_(0.0, 0.5)
-        out.append(("random GPT-2-small (12x768)", gpt2, 128 if quick else 512))
-    result = []
-    for name, model, seq in out:
-        conv = copy.deepcopy(model)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            normswap.convert(conv, method="exact")
-        result.append((name, model, conv.eval(), seq))
-    return result
+        out.append(("random GPT-2-small (12x768)", random_gpt2(cfg), 128 if quick else 512))
+    return [(name, model, exact_conversion(model), seq) for name, model, seq in out]
+
+
+def random_gpt2(cfg) -> nn.Module:
+    """A GPT2LMHeadModel of `cfg` with random weights (seed 0), in eval mode, its LayerNorms trained-looking
+    (gains around 1, real biases) so that the exact conversion has biases to fold."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.5)
+    return model
+
+
+def exact_conversion(model: nn.Module) -> nn.Module:
+    """A deep copy of `model`, made before converting, converted by `normswap.convert(method="exact")`, in eval
+    mode; `model` stays as it is."""
+    import normswap
+    conv = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        normswap.convert(conv, method="exact")
+    return conv.eval()
 
 
 def generated_tokens(args) -> int:

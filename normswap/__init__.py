@@ -27,7 +27,7 @@ PUBLIC = {
     "ExportReport": "normswap.export.report",
     "rotate": "normswap.surgery.rotate", "RotationReport": "normswap.surgery.rotate",
     "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
-    "NormswapError": "normswap.errors",
+    "NormswapError": "normswap.errors", "FellBackToNaive": "normswap.errors",
 }
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy(__name__, PUBLIC)

@@ -6,7 +6,10 @@ CLI generates from the options dataclasses: the library never speaks of flags, t
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
+import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
 
@@ -40,6 +43,21 @@ def reraised(*kinds: type[Exception]):
         yield
     except kinds as e:
         raise NormswapError(str(e)) from None
+
+
+class FellBackToNaive(UserWarning):
+    """`method="auto"` could not convert exactly and swapped naively, which changes the model's outputs; the
+    message says why (the report's `warnings` holds the same line). Filter on this class, never on the text."""
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn`, attributed to the first frame outside normswap (the caller's own line), however deep in
+    normswap it is raised: the default filter then shows it once per call site of the caller's."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class Interrupted(KeyboardInterrupt):

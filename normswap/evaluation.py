@@ -21,6 +21,7 @@ from normswap.models.modes import eval_mode
 from normswap.parity import compare, json_safe, nonnegative, scope, token_kl
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
+from normswap.io.shipped import original_class
 
 
 @dataclass
@@ -199,7 +200,7 @@ def text_only(model: nn.Module) -> bool:
 def _parity(model, reference) -> EvalReport:
     if reference is None:
         kind = " encoder-decoder" if getattr(model.config, "is_encoder_decoder", False) else ""
-        raise NormswapError(f"no perplexity for {type(model).__name__}: a{kind} model reading "
+        raise NormswapError(f"no perplexity for {original_class(model).__name__}: a{kind} model reading "
                             f"{getattr(model, 'main_input_name', 'input_ids')}; pass the original "
                             "(`reference`) to measure parity to it on sample inputs")
     p = compare(reference, model)

@@ -19,7 +19,8 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.io.spill import Spill, Spilled
-from normswap.models.inputs.examples import model_inputs
+from normswap.models.inputs.examples import Example, model_inputs
+from normswap.io.shipped import original_class
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
 STREAM = re.compile(r"(^|\.|_)hidden_states$")
@@ -207,7 +208,7 @@ def _record(ref: Reference, model: nn.Module, i: int, batch: dict, skip: dict | 
     try:
         runs = by_rows(partial(run, model, seed=i), batch)
     except Exception as e:
-        raise unrunnable(model, e) from None
+        raise unrunnable(model, e, batch) from None
     mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
     while runs:
         x, result = runs.pop(0)
@@ -230,13 +231,16 @@ def _owned(v: torch.Tensor, mine: set[int]) -> torch.Tensor:
     return v.detach().clone() if view or storage.data_ptr() in mine else v.detach()
 
 
-def unrunnable(model: nn.Module, e: Exception) -> NormswapError:
-    """The one-line refusal for a model that fails on the inputs normswap built for it: nothing can be
-    compared, so no conversion of it can be checked."""
+def unrunnable(model: nn.Module, e: Exception, batch: dict | None = None) -> NormswapError:
+    """The one-line refusal for a model that fails on an input `batch`: nothing can be compared, so no conversion
+    of it can be checked. A batch of the user's `example_inputs` is named as theirs; others normswap built."""
     if isinstance(e, NormswapError):
         return e
     line = first_line(e, strip=True)
-    return NormswapError(f"{type(model).__name__} fails on the sample inputs normswap built for it "
+    if isinstance(batch, Example):
+        return NormswapError(f"{original_class(model).__name__} fails on your `example_inputs` batch {batch.index} "
+                             f"({type(e).__name__}: {line}): give batches the model runs on")
+    return NormswapError(f"{original_class(model).__name__} fails on the sample inputs normswap built for it "
                          f"({type(e).__name__}: {line}), so no conversion of it can be checked (inputs of this "
                          "kind are not supported yet)")
 
@@ -364,14 +368,6 @@ def rel(d: float, r: float) -> float:
 
 def order(v: float) -> float:
     return math.inf if v != v else v   # NaN sorts worst
-
-
-def refuse_nonfinite(parity: Parity) -> None:
-    """Never save a model that gives NaN/inf: one line saying how many, on both sides."""
-    if parity.nonfinite:
-        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
-                            f"{grouped(parity.outputs) or parity.output} values on sample inputs (the original: "
-                            f"{parity.ref_nonfinite}); nothing was saved")
 
 
 def token_kl(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

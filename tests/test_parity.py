@@ -143,7 +143,8 @@ def test_cli_never_saves_a_nan_model(tmp_path):
 
 def test_cli_refuses_a_nan_source_that_stays_nan(tmp_path):
     """A NaN norm bias: norm probing reads the effective gain from the module's outputs, so the NaN reaches
-    the converted norm too; the CLI must then refuse, count both sides and write nothing."""
+    the converted norm too; the CLI must then refuse, saying that the source is at fault, count both sides
+    (streamed, the converted model runs too) and write nothing."""
     model = build("gpt2")
     with torch.no_grad():
         model.transformer.ln_f.bias[0] = float("nan")
@@ -151,9 +152,27 @@ def test_cli_refuses_a_nan_source_that_stays_nan(tmp_path):
     r = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "naive",
                                   "-o", str(tmp_path / "o"), "--json"])
     assert r.exit_code == 1, r.output
-    assert "non-finite (NaN/inf) logits" in r.stderr and "(the original: " in r.stderr, r.stderr
+    assert r.stderr.startswith("error: the source model gives ") and "non-finite (NaN/inf) logits" in r.stderr
+    assert "(the converted model: " in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("method", ["exact", "auto", "naive"])
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_source_giving_nan_is_refused_as_the_sources_fault(tmp_path, method, streamed):
+    """Issue 46 #5: a source whose outputs are NaN/inf was reported as a failed verification (streamed exact),
+    or saved (auto and naive: position rows of 1e38 overflow the LayerNorms, not the RMSNorms)."""
+    model = build("gpt2")
+    with torch.no_grad():
+        model.transformer.wpe.weight[3] = 1e38
+    model.save_pretrained(tmp_path / "src")
+    where = ["--onnx", str(tmp_path / "m.onnx")] if not streamed else []   # converts in memory
+    r = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", method,
+                                  "-o", str(tmp_path / "o"), *where])
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert r.output.startswith("error: the source model gives ") and "it is broken" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def _no_nan(name):

@@ -12,7 +12,7 @@ import click
 import transformers
 
 from normswap.cli.flags import build, click_options
-from normswap.errors import printable
+from normswap.errors import FellBackToNaive, printable
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,8 @@ def setup_output(opts: Shared) -> None:
     """Library logging and progress bars for one command: -q errors only, default warnings, -v info."""
     log = transformers.utils.logging
     warnings.formatwarning = _one_line_warning
+    # the command prints a report's warnings itself (also with --json): auto's fallback would show twice
+    warnings.filterwarnings("ignore", category=FellBackToNaive)
     if opts.verbosity < 0:
         log.set_verbosity_error()
         warnings.filterwarnings("ignore")

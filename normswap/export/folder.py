@@ -44,7 +44,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
                   fp16: bool = False, with_past: bool | None = None, opset: int | None = None,
                   overwrite: bool = False, validate: bool = True,
                   external_data_bytes: int | None = None, source: str | os.PathLike | None = None,
-                  quantize: str | None = None) -> ExportReport:
+                  quantize: str | None = None, saved_fingerprint: dict | None = None) -> ExportReport:
     """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
     `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
     decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
@@ -52,6 +52,8 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
     source: the model's folder, whose other files its loaders read the folder keeps (`io.kept`).
     quantize "int8": model.onnx is the validated graph's int8 quantization (`export_onnx`).
+    saved_fingerprint: the fingerprint of the folder `model` was loaded from, which the graph must also reproduce
+    where its probe maps exactly (`export_onnx`).
     The folder appears (atomically) only once the export validated.
     """
     opset = check_args(target, opset)
@@ -64,7 +66,7 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     limit = EXTERNAL_DATA_BYTES if external_data_bytes is None else external_data_bytes
     with atomic_dir(out, overwrite) as tmp:
         report = build(model, tmp / ONNX_NAME, out / ONNX_NAME, target, fp16, with_past, opset, validate,
-                       limit, quantize=quantize)
+                       limit, quantize=quantize, saved=saved_fingerprint)
         names = kept.copy_kept(source, tmp) if source is not None else []   # before the files written here
         _write_config(model, tmp, with_past, fp16)
         if decoder:

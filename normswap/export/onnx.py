@@ -17,6 +17,7 @@ import copy
 import importlib.util
 import inspect
 import io
+import json
 import logging
 import os
 import warnings
@@ -37,6 +38,7 @@ from normswap.models.introspect import is_rms_norm
 from normswap.models.modes import eval_mode
 from normswap.norms import PartialRMSNorm
 from normswap.parity import main_output
+from normswap.io.shipped import original_class
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
@@ -49,6 +51,7 @@ FP32_TOL = 1e-4
 FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
 EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
 QUANTIZE = ("int8",)   # `quantize` schemes (export.quantize)
+PROBE_TOKENS = 16   # the export's own fingerprint probe: one row of this many tokens (a conversion's is as long)
 
 def check_args(target: str, opset: int | None) -> int:
     """The opset to export `target` with; one-line errors for missing packages, targets and opsets."""
@@ -112,7 +115,7 @@ def own_inputs(model: nn.Module, with_past: bool) -> list[dict] | None:
     (images of the config's size, log-mel features, waveforms with their mask), less the inputs that only
     switch an optional path on (`bool_masked_pos`); None for a model that reads text (input_ids). Encoder-decoders
     are refused: one graph of both halves is not what their generation runs."""
-    main, name = getattr(model, "main_input_name", "input_ids"), type(model).__name__
+    main, name = getattr(model, "main_input_name", "input_ids"), original_class(model).__name__
     if "decoder_input_ids" in inspect.signature(model.forward).parameters:
         raise NormswapError(f"cannot export {name}: an encoder-decoder (its decoder runs once per generated token "
                             f"on the encoder's output); normswap exports {KINDS}")
@@ -127,14 +130,15 @@ def own_inputs(model: nn.Module, with_past: bool) -> list[dict] | None:
 
 def _main_output(model: nn.Module) -> str:
     if getattr(model.config, "vocab_size", None) is None:
-        raise NormswapError(f"cannot export {type(model).__name__}: it reads input_ids but its config names no "
+        raise NormswapError(f"cannot export {original_class(model).__name__}: it reads input_ids but its config "
+                            "names no "
                             f"vocab_size (a model of several towers?); normswap exports {KINDS}")
     ids = torch.zeros(1, 3, dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad():
         name, _ = main_output(model(input_ids=ids, attention_mask=torch.ones_like(ids)))
     if name in ("logits", "last_hidden_state"):
         return name
-    raise NormswapError(f"{type(model).__name__} returns neither logits nor last_hidden_state")
+    raise NormswapError(f"{original_class(model).__name__} returns neither logits nor last_hidden_state")
 
 
 def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list[str], list[str]], dyn,
@@ -166,11 +170,10 @@ def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list
     return prog, rewrites
 
 
-def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, output: str, target: str, opset: int):
+def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, names: tuple[list[str], list[str]], target: str,
+            opset: int):
     """An HF model's graph (Optimum's names and axes); (ONNXProgram, rewrites)."""
     args, dyn = wrap.example(model, with_past)
-    names = wrap.io_names(wrap.num_layers(model.config) if with_past else 0, with_past, output,
-                          positions=wrap.takes_positions(model))
     prog, rewrites = _dynamo(wrapper, model, args, names, dyn, target, opset)
     wrap.name_axes(prog.model, with_past)
     return prog, rewrites
@@ -184,7 +187,8 @@ def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes:
     args = tuple(t for _, t in flat)
     names = ([n for n, _ in flat], wrap.output_names(model, batch))
     if not names[1]:
-        raise NormswapError(f"{type(model).__name__} returns no tensor on the example inputs: nothing to export")
+        raise NormswapError(f"{original_class(model).__name__} returns no tensor on the example inputs: nothing "
+                            "to export")
     wrapper = wrap.Flat(model, batch)
     dyn = wrap.auto_shapes(args, axes and [axes.get(n, ()) for n in names[0]])
     try:
@@ -198,22 +202,33 @@ def _weight_bytes(model: nn.Module, fp16: bool) -> int:
 
 
 def _build_hf(reference: nn.Module, work: nn.Module, report: ExportReport):
-    """An HF model's export (its main output; with_past: the KV cache too); the ONNXProgram."""
+    """An HF model's export (its main output; with_past: the KV cache too); (ONNXProgram, the graph in PyTorch
+    for its fingerprint: `onnx_fingerprint.Traced`)."""
+    from normswap.export import onnx_fingerprint, validate   # onnx is an optional extra: imported when exporting
+
     report.output = _main_output(reference)
     if report.with_past and (report.output != "logits" or not wrap.is_decoder(reference)):
         raise NormswapError("`with_past=True` needs a decoder-only language model (with logits and a KV cache)")
-    wrapper = wrap.WithPast(work) if report.with_past else wrap.Plain(work, report.output)
-    prog, report.rewrites = _export(wrapper, work, report.with_past, report.output, report.target, report.opset)
-    return prog
+    names = wrap.io_names(wrap.num_layers(reference.config) if report.with_past else 0, report.with_past,
+                          report.output, positions=wrap.takes_positions(reference))
+    def wrapped(m):
+        return wrap.WithPast(m) if report.with_past else wrap.Plain(m, report.output)
+    prog, report.rewrites = _export(wrapped(work), work, report.with_past, names, report.target, report.opset)
+    own = {k: torch.from_numpy(v) for k, v in validate.random_inputs(reference, 1, PROBE_TOKENS).items()}
+    dtype = torch.float16 if report.fp16 else torch.float32
+    return prog, onnx_fingerprint.for_hf(reference, wrapped(reference), names, own, dtype)
 
 
 def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, with_past: bool, opset: int,
-          validate: bool, external_data_bytes: int, example_inputs=None, quantize: str | None = None) -> ExportReport:
+          validate: bool, external_data_bytes: int, example_inputs=None, quantize: str | None = None,
+          saved: dict | None = None) -> ExportReport:
     """Export and validate `model` to `staged` (a path in a temporary folder); the report names `final`. With
     `example_inputs`, any module, on them (`_export_module`); without, an HF model on its own inputs: a text
     model's input_ids (`_build_hf`), a vision or audio encoder's (`own_inputs`, then as on example inputs).
+    The file's metadata holds the graph's fingerprint (`onnx_fingerprint`; `saved`: the model's folder's).
     quantize "int8": the validated file is then replaced by its int8 quantization, measured (`export.quantize`)."""
-    from normswap.export import quantize as int8   # onnx is an optional extra: imported when exporting
+    from normswap.export import onnx_fingerprint   # onnx is an optional extra: imported when exporting
+    from normswap.export import quantize as int8
     from normswap.export.validate import validate_export, validate_module
 
     modes = contextlib.ExitStack()   # eval, every module's own flag back after it
@@ -226,13 +241,18 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
         work = copy.deepcopy(reference).half() if fp16 else reference
         report = ExportReport(str(final), target, opset, fp16, with_past, "", norms=count_norms(work))
         if example_inputs is None:
-            prog = _build_hf(reference, work, report)
+            prog, traced = _build_hf(reference, work, report)
         else:
             batches = as_batches(reference, example_inputs)
             prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], target, opset,
                                                             axes)
             report.output = ", ".join(names)
-        prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16)})
+            traced = onnx_fingerprint.for_module(reference, batches[0], names)
+        stamp = onnx_fingerprint.stamp(traced, prog.model, onnx_fingerprint.model_probe(model, saved),
+                                       "float16" if fp16 else "float32", saved)
+        report.fingerprint = onnx_fingerprint.summary(stamp)
+        prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16),
+                                          onnx_fingerprint.META: json.dumps(stamp)})
         # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
         report.external_data = _weight_bytes(work, fp16) > external_data_bytes
         prog.save(staged, external_data=report.external_data)
@@ -243,6 +263,8 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
         if quantize:
             report.quantized = int8.quantize(staged, report, reference, *((batches, names) if example_inputs
                                                                            is not None else ()))
+            report.fingerprint = {"none": onnx_fingerprint.INT8}   # its fp32 fingerprint does not hold in int8
+            onnx_fingerprint.rewrite(staged, report.fingerprint)
     finally:
         modes.close()
     return report
@@ -253,9 +275,10 @@ def _check_model(model, example_inputs, with_past: bool) -> None:
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     if next(model.parameters(), None) is None:
-        raise NormswapError(f"{type(model).__name__} has no parameters: nothing to export")
+        raise NormswapError(f"{original_class(model).__name__} has no parameters: nothing to export")
     if example_inputs is None and not has_config(model):
-        raise NormswapError(f"cannot export {type(model).__name__} (not a transformers model with a config) without "
+        raise NormswapError(f"cannot export {original_class(model).__name__} (not a transformers model with a "
+                            "config) without "
                             f"inputs: {HOW}")
     if example_inputs is not None and with_past:
         raise NormswapError("`with_past=True` exports an HF decoder on its own inputs: leave out `example_inputs`")
@@ -266,7 +289,8 @@ def _check_model(model, example_inputs, with_past: bool) -> None:
 def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
                 with_past: bool = False, opset: int | None = None, overwrite: bool = False,
                 validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES,
-                example_inputs=None, quantize: str | None = None) -> ExportReport:
+                example_inputs=None, quantize: str | None = None,
+                saved_fingerprint: dict | None = None) -> ExportReport:
     """Export a (converted) model to ONNX at `path` and validate it in onnxruntime.
 
     example_inputs (any nn.Module; needed without a transformers config): one batch or a list of batches, as
@@ -286,6 +310,12 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     only once every check passed (validate=False skips the checks, not the atomic write).
     quantize "int8": after validating the fp32 graph, write its int8 quantization instead (onnxruntime's
     dynamic quantization of MatMul/Gemm), measured against PyTorch and refused only where broken (`export.quantize`).
+    The file's metadata (`normswap.fingerprint`) holds the graph's fingerprint: a probe by the graph's input names
+    (a converted model's own, else one drawn as the validation draws its inputs) and a digest of the PyTorch
+    model's outputs on it, which the validation checks in onnxruntime (`validate.check_fingerprint(path)`
+    checks it later); int8 files carry none. saved_fingerprint: the fingerprint recorded in the folder `model`
+    was loaded from (config.json's `normswap.fingerprint`; `normswap export` passes its SRC's): where the graph's
+    probe is that folder's exactly, the graph must reproduce the outputs it recorded too, and the file keeps them.
     See export_folder for a deployment folder (config, tokenizer, generation config beside it).
     """
     opset = check_args(target, opset)
@@ -295,4 +325,4 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     _check_model(model, example_inputs, with_past)
     with atomic_files(path, lambda: check_replaceable(path, overwrite)) as tmp:
         return build(model, tmp / path.name, path, target, fp16, with_past, opset, validate, external_data_bytes,
-                     example_inputs, quantize)
+                     example_inputs, quantize, saved_fingerprint)

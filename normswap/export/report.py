@@ -23,6 +23,7 @@ class ExportReport:
     files: list[str] = field(default_factory=list)           # export_folder: what the folder holds
     latency_ms: float | None = None                          # ORT CPU, batch 1, 32 tokens, median
     quantized: dict | None = None                            # int8: what `quantize.quantize` measured
+    fingerprint: dict = field(default_factory=dict)          # in the file's metadata: `onnx_fingerprint.summary`
     validated: bool = False
 
     @property
@@ -58,6 +59,8 @@ class ExportReport:
                 ok, n = sum(g["padded_rows_match"]), len(g["prompt_lengths"])
                 lines.append(f"left-padded batch (prompt lengths {g['prompt_lengths']}): {ok}/{n} rows equal "
                              "PyTorch and the prompt alone")
+        if self.fingerprint:
+            lines.append(_fingerprint_line(self.fingerprint))
         if self.external_data:
             lines.append(f"weights stored as external data: {self.path}.data")
         if self.files:
@@ -84,3 +87,18 @@ def _quantized_lines(q: dict) -> list[str]:
     if q.get("latency_ms") is not None:
         lines.append(f"int8 ORT CPU latency (batch 1, 32 tokens): {q['latency_ms']:.2f} ms")
     return lines
+
+
+def _fingerprint_line(f: dict) -> str:
+    """The fingerprint in the file's metadata: what it holds and whether onnxruntime reproduced it here."""
+    if "none" in f:
+        return f"no fingerprint in the file's metadata: {f['none']}"
+    origin = "its conversion's probe" if f["probe_from"] == "model" else "the export's own probe"
+    line = (f"fingerprint in the file's metadata: {', '.join(f['outputs'])} on {origin} ({f['dtype']}, tolerance "
+            f"{f['tolerance']:g}){': reproduced in ORT' if f.get('checked') else ', not checked'}")
+    saved = f.get("saved")
+    if isinstance(saved, list):
+        line += f"; with the digest its folder recorded ({', '.join(saved)})"
+    elif saved is not None:
+        line += f"; not the folder's recorded digest: {saved['none']}"
+    return line

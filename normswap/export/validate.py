@@ -4,12 +4,14 @@ batch/sequence sizes, greedy generation with the past (with_past: one prompt, an
 of prompts of different lengths, each row equal to PyTorch and to the prompt run alone), and ORT
 latency. A module exported on example inputs (`validate_module`): the same file checks, fused nodes vs the
 norms its forward calls, parity of every output on each example batch and on the first with each dynamic
-dim doubled in turn."""
+dim doubled in turn. Both also run the fingerprint the export wrote into the file's metadata (`onnx_fingerprint`):
+`check_fingerprint(path)` runs it on any file normswap exported."""
 from __future__ import annotations
 
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.export import fuse, translate, wrap
+from normswap.export import fuse, onnx_fingerprint, translate, wrap
 from normswap.models.introspect import is_rms_norm
 from normswap.norms import PartialRMSNorm
 from normswap.parity import tensors
@@ -216,6 +218,26 @@ def check_fused(report, n: dict[str, int], repeats: dict[str, int] | None = None
                             + shared)
 
 
+def check_stamp(sess, report) -> None:
+    """The export's fingerprint holds in `sess` (FingerprintFailed where not); the report says it was checked."""
+    if onnx_fingerprint.holds(sess, "the exported graph") is None:
+        report.fingerprint["checked"] = True
+
+
+def check_fingerprint(path: str | Path) -> bool:
+    """Check the ONNX file `path` against the fingerprint normswap wrote into its metadata, in onnxruntime on the
+    CPU: True where it holds (and the digest its model's folder recorded, where it keeps one); False where it
+    carries none (a warning says why); FingerprintFailed (a NormswapError) where it does not hold."""
+    try:
+        sess = session(path)
+    except Exception as e:
+        raise NormswapError(f"onnxruntime cannot load {path}: {first_line(e)[:300]}") from None
+    why = onnx_fingerprint.holds(sess, str(path))
+    if why is not None:
+        warnings.warn(f"{path}: no fingerprint to check ({why})", stacklevel=2)
+    return why is None
+
+
 def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32_tol: float,
                     fp16_tol: float) -> None:
     """Fill `report` with the checks; raise NormswapError on the first one that fails."""
@@ -240,6 +262,7 @@ def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32
                                 else f"greedy generation of a left-padded batch differs in rows {bad} "
                                      f"(prompt lengths {gen['prompt_lengths']}) between ORT, PyTorch and "
                                      f"each prompt alone")
+    check_stamp(sess, report)
     report.latency_ms = latency_ms(sess, reference, report.with_past, np_dtype)
     report.validated = True
 
@@ -360,5 +383,6 @@ def validate_module(staged: Path, report, reference: nn.Module, batches: list[di
             if not r["finite"] or r["max_abs"] > tol:
                 raise NormswapError(f"ORT output {r['output']} differs from PyTorch on {what}: max |Δ| "
                                     f"{r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
+    check_stamp(sess, report)
     report.tolerance = fp16_tol if report.fp16 else fp32_tol
     report.validated = True

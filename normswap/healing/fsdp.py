@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.io.shipped import original_class
 
 
 def requested(accelerator, fsdp: bool | None) -> bool:
@@ -49,7 +50,7 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     inner = {id(s) for m in found for s in m.modules() if s is not m}
     found = [m for m in found if id(m) not in inner]  # outermost only: a block inside a block is one unit
     if not found:
-        raise NormswapError(f"FSDP: {type(model).__name__} has no list of transformer blocks to shard")
+        raise NormswapError(f"FSDP: {original_class(model).__name__} has no list of transformer blocks to shard")
     users = defaultdict(set)  # parameter -> modules holding it
     for m in model.modules():
         for p in m._parameters.values():

@@ -43,7 +43,7 @@ from normswap.errors import Interrupted, NormswapError
 from normswap.evaluation import check_vocabulary
 from normswap.healing import fsdp as heal_fsdp
 from normswap.healing import tracking
-from normswap.healing.objective import window_losses
+from normswap.healing.objective import check_teacher, window_losses
 from normswap.healing.options import HealOptions, check_lr, partial_path
 from normswap.healing.params import DEFAULT_LR, default_train
 from normswap.healing.prepare import Run, prepare, restore
@@ -70,6 +70,7 @@ def _check(student, teacher, texts, train, objective, steps, lr, seq_len, batch_
     if not texts or not any(isinstance(t, str) and t.strip() for t in texts):
         raise NormswapError("no training text")
     check_vocabulary(student, teacher, "the teacher")
+    check_teacher(student, teacher)
     if out is not None:  # before training, not after
         check_output(partial)   # its name fits the file system too
         check_replaceable(out, overwrite)

@@ -13,6 +13,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.healing.options import LoraOptions
+from normswap.io.shipped import original_class
 
 
 def _conv1d():
@@ -49,7 +50,7 @@ def targets(model: nn.Module, requested: tuple[str, ...] | None) -> list[str]:
     if requested is None:
         chosen = [n for n, m in layers.items() if m is not head]
         if not chosen:
-            raise NormswapError(f"{type(model).__name__} has no linear layer to put LoRA adapters on: use "
+            raise NormswapError(f"{original_class(model).__name__} has no linear layer to put LoRA adapters on: use "
                                 f"`train='norms'` or `train='all'`")
         return chosen
     short = sorted({n.rsplit(".", 1)[-1] for n in layers})

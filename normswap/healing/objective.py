@@ -11,6 +11,33 @@ import torch
 import torch.nn.functional as F
 
 from normswap.errors import NormswapError
+from normswap.io.shipped import original_class
+
+
+def check_teacher(student, teacher) -> None:
+    """Distillation feeds the teacher the student's token windows: one that reads other inputs (an image model)
+    or is another kind of model (an encoder-decoder for a decoder) is refused in one line, before training."""
+    if teacher is None:
+        return
+    reads = [getattr(m, "main_input_name", "input_ids") for m in (student, teacher)]
+    if reads[0] != reads[1]:
+        raise NormswapError(f"the teacher ({original_class(teacher).__name__}) reads `{reads[1]}`, the student "
+                            f"({original_class(student).__name__}) `{reads[0]}`: distil from the model the student was "
+                            "converted from")
+    kinds = [bool(getattr(getattr(m, "config", None), "is_encoder_decoder", False)) for m in (student, teacher)]
+    if kinds[0] != kinds[1]:
+        raise NormswapError(f"the teacher ({original_class(teacher).__name__}) is {'an' if kinds[1] else 'not an'} "
+                            f"encoder-decoder and the student ({original_class(student).__name__}) "
+                            f"{'is' if kinds[0] else 'is not'}: distil from the model the student was converted from")
+
+
+def _same_heads(s, t) -> None:
+    """Student and teacher outputs compare like with like: logits with logits, hidden states with hidden states."""
+    has = [getattr(o, "logits", None) is not None for o in (s, t)]
+    if has[0] != has[1]:
+        raise NormswapError(f"the {'student' if has[0] else 'teacher'} gives logits and the "
+                            f"{'teacher' if has[0] else 'student'} none (a model without its head): distil from "
+                            "the model the student was converted from, with the same head")
 
 
 @torch.no_grad()
@@ -31,6 +58,7 @@ def window_losses(student, teacher, x: torch.Tensor, objective: str) -> torch.Te
     with torch.no_grad():
         t = teacher(input_ids=x, output_hidden_states=True)
     s = student(input_ids=x, output_hidden_states=True)
+    _same_heads(s, t)
     if getattr(s, "logits", None) is not None:
         if s.logits.shape != t.logits.shape:
             raise NormswapError(f"teacher and student outputs differ: {tuple(t.logits.shape)} vs "

@@ -18,33 +18,43 @@ import torch
 from normswap.errors import NormswapError, first_line
 
 
+def _number(name: str, file: Path) -> int | None:
+    """`name` as a batch or argument number (ASCII digits), else None; a number written with a leading zero
+    (`00`, `01`) is refused: it would name the same batch or argument as `0`, `1`."""
+    if not name or not all("0" <= c <= "9" for c in name):
+        return None
+    if name != str(int(name)):
+        raise NormswapError(f"`example_inputs` file {file}: the number {name!r} in a tensor name has a leading zero: "
+                            "write batches and positional arguments as 0, 1, 2, ... (one name for each)")
+    return int(name)
+
+
 def _batch(tensors: dict[str, torch.Tensor], file: Path) -> torch.Tensor | tuple | dict:
     """One batch's tensors by name: keyword arguments, or positional ones where every name is 0, 1, ..."""
-    names = list(tensors)
-    if all(n.isdigit() for n in names):
-        order = sorted(int(n) for n in names)
+    numbers = {n: _number(n, file) for n in tensors}
+    if all(i is not None for i in numbers.values()):
+        order = sorted(numbers.values())
         if order != list(range(len(order))):
             raise NormswapError(f"`example_inputs` file {file}: positional arguments {order} are not 0, 1, ...")
         return tuple(tensors[str(i)] for i in order)
-    if any(n.isdigit() for n in names):
+    if any(i is not None for i in numbers.values()):
         raise NormswapError(f"`example_inputs` file {file}: names mix positional (numbers) and keyword arguments")
     return dict(tensors)
 
 
-def _from_safetensors(file: Path) -> list | torch.Tensor | tuple | dict:
-    from safetensors.torch import load_file
-    tensors = load_file(str(file))
+def _from_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> list | torch.Tensor | tuple | dict:
+    """The batches a safetensors file's tensors make, by their names (see the module docstring)."""
     if not tensors:
         raise NormswapError(f"`example_inputs` file {file} holds no tensor")
     prefixed = {k: k.partition(".") for k in tensors}
     if not any(sep for _, sep, _ in prefixed.values()):
         return _batch(tensors, file)
-    if not all(sep and head.isdigit() for head, sep, _ in prefixed.values()):
+    if not all(sep and _number(head, file) is not None for head, sep, _ in prefixed.values()):
         raise NormswapError(f"`example_inputs` file {file}: either every name is `<batch>.<name>` (0.input_ids) "
                             "or none is")
     by_batch: dict[int, dict] = {}
     for k, (head, _, rest) in prefixed.items():
-        by_batch.setdefault(int(head), {})[rest] = tensors[k]
+        by_batch.setdefault(_number(head, file), {})[rest] = tensors[k]
     return [_batch(by_batch[i], file) for i in sorted(by_batch)]
 
 
@@ -55,14 +65,15 @@ def read_batches(path: str | Path):
         raise NormswapError(f"`example_inputs` file {file} does not exist" if not file.exists() else
                             f"`example_inputs` {file} is not a file")
     if not zipfile.is_zipfile(file):   # torch.save writes a zip archive; safetensors a header and raw bytes
+        from safetensors.torch import load_file
         try:
-            return _from_safetensors(file)
-        except NormswapError:
-            raise
+            tensors = load_file(str(file))
         except Exception as e:
             if file.suffix == ".safetensors":
                 raise NormswapError(f"`example_inputs` file {file} is not a valid safetensors file "
                                     f"({first_line(e, strip=True)})") from None
+        else:   # a valid file: what its names mean is checked apart (never "not a valid file")
+            return _from_safetensors(file, tensors)
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:

@@ -22,8 +22,9 @@ FILES = frozenset({RECORD,
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
     "sentencepiece.bpe.model", "spm.model", "model.safetensors.index.json",
+    "model.normswap.safetensors", "model.safetensors.index.normswap.json",   # a converted folder's weights
     "model.onnx", "model.onnx.data", "genai_config.json", "heal_log.json"})
-SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+SHARD = re.compile(r"model(\.normswap)?-\d{5}-of-\d{5}\.safetensors")
 SECTIONS = ("normswap", "normswap_heal")   # config.json keys only normswap writes
 ONNX_MARK = "normswap.target"              # metadata key of every graph normswap exports
 

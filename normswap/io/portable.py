@@ -6,12 +6,13 @@ followed by generated subclasses of the original transformers classes, which tra
 trust_remote_code=True. So it imports only the standard library and torch (and transformers, lazily), never
 normswap; a test fails if the shipped copy differs from this file.
 
-- `validate`, `verify_checksum`: config.json's `normswap` section (types, ranges, named modules) and its
-  checksum: of the section itself and of the headers of the weights files transformers loads (`weights_files`).
+- `validate`: config.json's `normswap` section (format, types, ranges, named modules); `checksum.py` hashes it
+  and the weights files' headers, `fingerprint.py` checks the loaded model's behaviour.
 - `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch `build_norm`
   below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast kernels for the same
   arithmetic, held equal by a test), the added biases, output fixes (centre, matrix, bias) and input fixes.
-- `shipped.py` follows this file in modeling_normswap.py: the transformers side (`NormswapMixin`).
+- `checksum.py`, `fingerprint.py` and `shipped.py` follow this file in modeling_normswap.py (from their lines
+  "# ---- shipped from here"), the last the transformers side (`NormswapMixin`).
 """
 from __future__ import annotations
 
@@ -19,20 +20,18 @@ import hashlib
 import inspect
 import json
 import math
-import os
-import struct
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-FORMAT = 2  # 2: adds `base` and `checksum`; format 1 folders (no checksum) cannot be trusted
-MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")  # 3: fixes multiply by matrices (a rotation's): 2 refuses
+# 2: `base` and `checksum`; 3: fixes may multiply by matrices (a rotation's), which 2's readers would ignore;
+# 4: weights as the "normswap" variant (`checksum.py`), a behavioural fingerprint (`fingerprint.py`). Format 1 was
+# what older normswaps recorded in memory, before a save completed it: never a folder normswap wrote.
+FORMAT, FORMATS = 4, (2, 3, 4)
+MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")
 NORM_TYPES = ("rmsnorm", "prmsnorm")
 KINDS = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object", list: "a list"}
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 class InvalidConversion(ValueError):
@@ -144,10 +143,19 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     if not isinstance(section, dict):
         _fail(where, "it must be an object")
     fmt = section.get("format")
-    if fmt not in (FORMAT, MATRIX_FORMAT):
-        again = "; convert the original model again" if fmt == 1 else ""
+    if fmt == 1:
+        raise InvalidConversion(
+            f"{where}: written by transformers' own save_pretrained (or config.save_pretrained) from a model an older "
+            "normswap converted in Python (its section is format 1, the record it kept in memory): it has no checksum "
+            "and no fingerprint to check, and plain transformers loads it as the original architecture, which it is "
+            "not; save that model again with this normswap's save, or convert the original again")
+    if fmt not in FORMATS or isinstance(fmt, bool):
         raise InvalidConversion(f"{where}: normswap format {fmt!r} is not supported (this version reads formats "
-                                f"{FORMAT} and {MATRIX_FORMAT}){again}")
+                                f"{', '.join(map(str, FORMATS))}): a newer normswap wrote it?")
+    if "checksum" not in section:
+        raise InvalidConversion(
+            f"{where}: the 'normswap' section has no checksum: this config.json was not written by a save of the "
+            "converted model (model.save_pretrained or normswap.save_pretrained), e.g. by config.save_pretrained")
     base = _get(where, section, "base", dict, "section")
     for key in ("architecture", "model_type"):
         _get(where, base, key, str, "base")
@@ -163,7 +171,7 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     for name, spec in fixes.items():
         ctx = f"output_fixes[{name!r}]"
         _get(where, spec, "centre", bool, ctx)   # first: spec is an object; then no key is ignored
-        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt == MATRIX_FORMAT)]:
+        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt >= MATRIX_FORMAT)]:
             _fail(where, f"{ctx}.{unknown[0]} is not in format {fmt} (a newer normswap's?): the model would differ")
         if any(_get(where, spec, k, int, ctx) < 0 for k in ("bias", *MATRICES) if k in spec or k == "bias"):
             _fail(where, f"{ctx}: the bias and matrix widths must be >= 0")
@@ -187,6 +195,24 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     return section
 
 
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def section_hash(section: dict) -> str:
+    """The hash of the section without its checksum (the checksum's `section`: `checksum.py`)."""
+    body = {k: v for k, v in section.items() if k != "checksum"}
+    return sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def check_section_hash(section: dict, where: str) -> None:
+    """Refuse a section edited after it was saved."""
+    if section["checksum"].get("section") != section_hash(section):
+        raise InvalidConversion(f"{where}: the 'normswap' section of config.json was edited after normswap saved "
+                                "it (checksum mismatch): refusing a model that may be wrong; convert the original "
+                                "again")
+
+
 def module_names(section: dict) -> list[str]:
     """Every module a section names: its norms, added biases and fixes, in that order."""
     return [*section.get("norms", {}), *section.get("added_biases", []), *section.get("output_fixes", {})]
@@ -203,94 +229,6 @@ def local_names(section: dict, model: nn.Module) -> dict:
     return {**section, "norms": {local(k): v for k, v in section.get("norms", {}).items()},
             "added_biases": [local(b) for b in section.get("added_biases", [])],
             "output_fixes": {local(k): v for k, v in section.get("output_fixes", {}).items()}}
-
-
-# ---- the weights files and the checksum --------------------------------------------------------------------
-
-def _inside(folder: Path, name, what: str) -> Path:
-    path = folder / name if isinstance(name, str) and name else None
-    if path is None or os.path.commonpath([os.path.abspath(folder), os.path.abspath(path)]) != os.path.abspath(folder):
-        raise InvalidConversion(f"{folder}: {what} {name!r} is not a file inside the folder")
-    if not path.is_file():
-        raise InvalidConversion(f"{folder}: {what} {name} is missing")
-    return path
-
-
-def read_index(file: Path) -> dict:
-    """A sharded checkpoint's index.json as a dict with a `weight_map` of tensor name -> shard file."""
-    try:
-        index = json.loads(Path(file).read_text())
-        if not isinstance(index["weight_map"], dict):
-            raise TypeError
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        raise InvalidConversion(f"{file} is not a safetensors index (no weight_map)") from None
-    return index
-
-
-def weights_source(folder: str | Path, explicit: str | None = None) -> str:
-    """The weights file or index transformers loads from `folder`: config.json's `transformers_weights` when
-    set, else model.safetensors when it exists (an index beside it is ignored), else the index."""
-    folder = Path(folder)
-    name = explicit or (WEIGHTS if (folder / WEIGHTS).is_file() else INDEX if (folder / INDEX).is_file() else None)
-    if name is None:
-        raise InvalidConversion(f"{folder} has no {WEIGHTS} nor {INDEX}")
-    _inside(folder, name, "weights file")
-    return name
-
-
-def weights_files(folder: str | Path, explicit: str | None = None) -> list[str]:
-    """The safetensors files transformers loads from `folder`, by name, in its order (`weights_source`, or the
-    shards its index lists, sorted)."""
-    folder = Path(folder)
-    name = weights_source(folder, explicit)
-    if not name.endswith(".index.json"):
-        return [name]
-    files = sorted(set(read_index(folder / name)["weight_map"].values()), key=str)
-    for shard in files:
-        _inside(folder, shard, f"shard listed in {name}:")
-    return files
-
-
-def raw_header(file: Path) -> bytes:
-    """The JSON header of a safetensors file, as stored (tensor names, dtypes, shapes, offsets)."""
-    with open(file, "rb") as f:
-        try:
-            (n,) = struct.unpack("<Q", f.read(8))
-        except struct.error:
-            raise InvalidConversion(f"{file} is not a safetensors file (shorter than its header)") from None
-        if n > os.fstat(f.fileno()).st_size - 8:
-            raise InvalidConversion(f"{file} is not a safetensors file (its header runs past the end)")
-        return f.read(n)
-
-
-def _sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def checksum(section: dict, folder: str | Path | None, explicit: str | None = None) -> dict:
-    """Hashes of the section (without its checksum) and, given `folder`, of its weights files' headers
-    (names, dtypes, shapes, offsets; one file hashes as its header alone, shards as name + header each)."""
-    body = {k: v for k, v in section.items() if k != "checksum"}
-    out = {"section": _sha(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())}
-    if folder is not None:
-        files = weights_files(folder, explicit)
-        headers = [raw_header(Path(folder) / name) for name in files]
-        digest = headers[0] if files == [WEIGHTS] else b"".join(
-            name.encode() + b"\0" + header for name, header in zip(sorted(files), headers))
-        out["weights_header"] = _sha(digest)
-    return out
-
-
-def verify_checksum(section: dict, folder: str | Path | None, where: str, explicit: str | None = None) -> None:
-    """Refuse a section edited after it was saved; given `folder`, also weights other than the ones saved."""
-    expected, actual = section["checksum"], checksum(section, folder, explicit)
-    if expected["section"] != actual["section"]:
-        raise InvalidConversion(f"{where}: the 'normswap' section of config.json was edited after normswap saved "
-                                "it (checksum mismatch): refusing a model that may be wrong; convert the original "
-                                "again")
-    if folder is not None and expected["weights_header"] != actual["weights_header"]:
-        raise InvalidConversion(f"{where}: the weights are not the ones saved with this config (their tensor names, "
-                                "shapes or sizes differ: checksum mismatch)")
 
 
 # ---- the structure: norms, added biases, output and input fixes --------------------------------------------
@@ -393,7 +331,7 @@ def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: 
     """Turn a freshly built original architecture into the converted one: the section validated against the
     model, its checksum checked (the weights' once loaded), applied; warns of outputs not preserved unless `quiet`."""
     validate(section, where, model)
-    verify_checksum(section, None, where)
+    check_section_hash(section, where)
     apply_structure(model, section, make_norm)
     if section.get("not_preserved") and not quiet:   # said on every load, in normswap and in plain transformers alike
         warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line, reraised
-from normswap.io import portable
+from normswap.io import checksum, owned, portable
 
-WEIGHTS, INDEX = portable.WEIGHTS, portable.INDEX
+WEIGHTS, INDEX = checksum.WEIGHTS, checksum.INDEX
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -73,7 +73,28 @@ def total_bytes(specs: list[tuple[str, torch.dtype, list[int]]]) -> int:
 
 
 def has_weights(path: str | Path) -> bool:
-    return (Path(path) / WEIGHTS).exists() or (Path(path) / INDEX).exists()
+    """Whether the folder holds the weights files its loaders read (`weights_names`)."""
+    return any((Path(path) / name).exists() for name in weights_names(path))
+
+
+def weights_names(path: str | Path) -> tuple[str, str]:
+    """(single file, index) of the weights the folder's loaders read: the "normswap" variant's for a folder
+    normswap converted (format 4 on, `checksum.variant_of`), else transformers' plain names."""
+    variant = checksum.variant_of(_section(Path(path)))
+    return checksum.with_variant(WEIGHTS, variant), checksum.with_variant(INDEX, variant)
+
+
+def _section(path: Path) -> dict | None:
+    """The folder's normswap section (config.json's, or a module's normswap.json), None if it has none."""
+    for file, key in (("config.json", "normswap"), (owned.RECORD, None)):
+        try:
+            data = json.loads((path / file).read_text())
+        except (OSError, ValueError):
+            continue
+        found = data.get(key) if key and isinstance(data, dict) else data
+        if isinstance(found, dict):
+            return found
+    return None
 
 
 def _stamp(file: Path) -> tuple | None:
@@ -91,11 +112,11 @@ class Reader:
 
     def __init__(self, path: str | Path, mapped: bool = False):
         path, self.mapped = Path(path), mapped
-        explicit = _explicit_weights(path)
+        explicit, variant = _explicit_weights(path), checksum.variant_of(_section(path))
         with reraised(portable.InvalidConversion):
-            source = portable.weights_source(path, explicit)
-            self.files = [path / name for name in portable.weights_files(path, explicit)]
-            index = portable.read_index(path / source) if source.endswith(".index.json") else {}
+            source = checksum.weights_source(path, explicit, variant)
+            self.files = [path / name for name in checksum.weights_files(path, explicit, variant)]
+            index = checksum.read_index(path / source) if source.endswith(".json") else {}
         metadata = index.get("metadata")
         self.index_dtype = metadata.get("dtype") if isinstance(metadata, dict) else None
         self.entries: dict[str, tuple[Path, torch.dtype, list[int], int, int]] = {}
@@ -175,7 +196,7 @@ def _header(file: Path) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     follow each other from the end of the header to the end of the file with no gap and no overlap, and each
     holds exactly shape x dtype bytes (so no tensor reads another's bytes, or memory no file backs)."""
     with reraised(portable.InvalidConversion):
-        raw = portable.raw_header(file)
+        raw = checksum.raw_header(file)
 
     def bad(why: str) -> NormswapError:
         return NormswapError(f"{file} is not a valid safetensors file: {why}")
@@ -234,8 +255,9 @@ def plan_shards(specs: list[tuple[str, torch.dtype, list[int]]], max_shard_size:
 
 
 def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tensors: Iterable[torch.Tensor],
-          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
-    """Write tensors (yielded in the order of `specs`: name, dtype, shape) to `out`; the file names.
+          max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, variant: str | None = None) -> list[str]:
+    """Write tensors (yielded in the order of `specs`: name, dtype, shape) to `out`, under transformers' names
+    for `variant` (`checksum.with_variant`); the file names.
 
     Each tensor is written as soon as it is yielded and can be freed afterwards.
     """
@@ -243,6 +265,7 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
     shards = plan_shards(specs, max_shard_size)
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                  for i in range(len(shards))]
+    names = [checksum.with_variant(name, variant) for name in names]
     stream: Iterator[torch.Tensor] = iter(tensors)
     weight_map = {}
     for fname, idx in zip(names, shards):
@@ -270,8 +293,8 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
     if next(stream, None) is not None:
         raise NormswapError("internal: more tensors than planned")
     if len(names) > 1:
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes(specs)}, "weight_map": weight_map},
-                                            indent=2) + "\n")
+        index = {"metadata": {"total_size": total_bytes(specs)}, "weight_map": weight_map}
+        (out / checksum.with_variant(INDEX, variant)).write_text(json.dumps(index, indent=2) + "\n")
     return names
 
 
@@ -292,16 +315,18 @@ def saved_specs(model: nn.Module) -> list[tuple[str, torch.dtype, list[int]]]:
 
 
 def save_model(model: nn.Module, out: str | Path, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-               tensors: Iterable[torch.Tensor] | None = None, names: dict[str, str] | None = None) -> list[str]:
-    """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size; `tensors`,
-    if given, are the values to write in `saved_specs(model)` order (computed as they are written); `names`:
-    state name -> the key to write it under, where that differs."""
+               tensors: Iterable[torch.Tensor] | None = None, names: dict[str, str] | None = None,
+               variant: str | None = None) -> list[str]:
+    """Write `model`'s state (tied tensors once) to folder `out`, sharded above max_shard_size, as `variant`;
+    `tensors`, if given, are the values to write in `saved_specs(model)` order (computed as they are written);
+    `names`: state name -> the key to write it under, where that differs."""
     specs = saved_specs(model)
     check_space(out, total_bytes(specs))
     if tensors is None:
         state = model.state_dict()
         tensors = (state[k] for k, _, _ in specs)
-    return write(out, [((names or {}).get(k, k), dt, shape) for k, dt, shape in specs], tensors, max_shard_size)
+    return write(out, [((names or {}).get(k, k), dt, shape) for k, dt, shape in specs], tensors, max_shard_size,
+                 variant)
 
 
 def check_space(out: str | Path, needed: int) -> None:

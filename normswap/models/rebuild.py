@@ -16,6 +16,7 @@ from normswap.io import safetensors
 from normswap.errors import NormswapError, first_line, reraised
 from normswap.io import owned, portable
 from normswap.models import schema
+from normswap.models.adopt import adopt
 from normswap.models.hub import MODELING_FILE
 from normswap.models.names import saved_names
 from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
@@ -79,11 +80,14 @@ def _warn_old_code(path: Path, section: dict) -> None:
               "(normswap.save_pretrained) to update that file", file=sys.stderr)
 
 
-def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool = False) -> nn.Module:
+def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_weights: bool = False,
+                    check_fingerprint: bool = True) -> nn.Module:
     """Rebuild a model saved by `save_pretrained` and load its weights (safetensors only).
 
     The `normswap` section is validated (`schema`) and its checksum checked; no code from the folder runs
-    (an `auto_map` is ignored: the original architecture is rebuilt).
+    (an `auto_map` is ignored: the original architecture is rebuilt). Once the weights are in, the model must
+    reproduce the section's fingerprint (one forward of its probe input; `check_fingerprint=False` or the
+    environment's NORMSWAP_NO_FINGERPRINT=1 skip that, as does `allow_missing_weights`).
     """
     path, dtype = Path(path), dtype_name(dtype)
     if (path / owned.RECORD).is_file() and not (path / "config.json").is_file():
@@ -95,7 +99,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
         raise NormswapError(f"{path} was not saved by normswap (no 'normswap' section in config.json)")
     schema.validate(section, str(path))
     if not safetensors.has_weights(path):
-        raise NormswapError(f"{path} has no {safetensors.WEIGHTS} nor {safetensors.INDEX}")
+        raise NormswapError(f"{path} has no {' nor '.join(safetensors.weights_names(path))}")
     schema.verify_checksum(section, None, str(path))   # a hand-edited section: refused before building
     try:
         config, cls = base_config(raw, section, str(path))
@@ -113,7 +117,10 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     if not allow_missing_weights:   # names, shapes and sizes as saved (the values are not hashed)
         schema.verify_checksum(section, path, str(path))
     _load_generation_config(model, path)
-    return model.eval()
+    # the values: the model built here computes what was saved
+    schema.verify_fingerprint(model.eval(), section, str(path), check_fingerprint and not allow_missing_weights)
+    adopt(model)   # as converted in memory: its own save_pretrained writes a complete folder
+    return model
 
 
 def _load_generation_config(model: nn.Module, path: Path) -> None:

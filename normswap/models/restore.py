@@ -16,16 +16,19 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.io import owned, portable, safetensors
+from normswap.io import checksum, owned, portable, safetensors
+from normswap.models import schema
 from normswap.models.introspect import norm_kind
 from normswap.models.rebuild import load_weights
-from normswap.models.save import qualified_name
+from normswap.models.section import qualified_name
 from normswap.models.section import section as model_section
 from normswap.models.section import set_section
 from normswap.norms import build_norm, off_fast_path
+from normswap.io.shipped import original_class
 
 
 @contextlib.contextmanager
@@ -37,7 +40,7 @@ def _record_errors(hint: str = ""):
     except portable.InvalidConversion as e:
         raise NormswapError(str(e).replace("config.json", owned.RECORD) + hint) from None
     except NormswapError as e:
-        raise NormswapError(f"{e}{hint}") from None
+        raise type(e)(f"{e}{hint}") from None
 
 
 def read_record(folder: Path) -> dict:
@@ -54,8 +57,10 @@ def read_record(folder: Path) -> dict:
         record = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise NormswapError(f"{file} cannot be read: {first_line(e, type(e).__name__)}") from None
+    if not isinstance(record, dict):
+        raise NormswapError(f"{file} is not a normswap record (a JSON object): it holds {json.dumps(record)[:40]}")
     if not safetensors.has_weights(folder):
-        raise NormswapError(f"{folder} has no {safetensors.WEIGHTS} nor {safetensors.INDEX}")
+        raise NormswapError(f"{folder} has no {' nor '.join(safetensors.weights_names(folder))}")
     return record
 
 
@@ -68,7 +73,8 @@ def _check_fresh(model: nn.Module) -> None:
                             "tensors (or call .to_empty(device=...)) before restoring")
     if model_section(model) is not None or any(hasattr(m, "normswap_centre") or hasattr(m, "normswap_centre_input")
                                                for m in model.modules()):
-        raise NormswapError(f"this {type(model).__name__} was already converted or restored: restore needs a freshly "
+        raise NormswapError(f"this {original_class(model).__name__} was already converted or restored: restore "
+                            "needs a freshly "
                             "built instance of its class, with its original norms")
 
 
@@ -99,6 +105,20 @@ def _strict(where: str):
     return check
 
 
+def _check_ties(model: nn.Module, folder: Path, where: str) -> None:
+    """A tensor `model` shares under several names (a tied head) must not be stored under two of them with
+    different values: both would load into the one tensor, and only the last would stay (a different model)."""
+    reader, shared = safetensors.Reader(folder), {}
+    keys = set(reader.keys())
+    for name, first in safetensors.aliases(model).items():
+        shared.setdefault(first, []).append(name)
+    for names in shared.values():
+        stored = [n for n in names if n in keys]
+        if any(not torch.equal(reader.get(stored[0]), reader.get(n)) for n in stored[1:]):
+            raise NormswapError(f"{where}: this model ties {' and '.join(stored)} (one tensor), which the folder "
+                                "stores as different tensors: build the model untied, as it was saved")
+
+
 def _warn_dtypes(model: nn.Module, folder: Path) -> None:
     reader = safetensors.Reader(folder)
     state = model.state_dict()
@@ -109,7 +129,7 @@ def _warn_dtypes(model: nn.Module, folder: Path) -> None:
               "it was saved in for outputs identical to the saved model's", file=sys.stderr)
 
 
-def restore(model: nn.Module, folder) -> nn.Module:
+def restore(model: nn.Module, folder, check_fingerprint: bool = True) -> nn.Module:
     """Rebuild on `model`, a freshly built instance of the user's class (with its original LayerNorms), the
     converted model `save_pretrained` wrote to `folder` (model.safetensors + normswap.json); returns `model`.
 
@@ -120,6 +140,9 @@ def restore(model: nn.Module, folder) -> nn.Module:
     wrong-shaped tensor is an error. The section is set as `model.normswap_section`; the train/eval mode is
     left as it was. Outputs are bit-identical to the saved model's when `model` is built in the dtype it was
     saved in (other dtypes are cast, with a warning). A Hugging Face folder loads with `from_pretrained`.
+    Once the weights are in, the model must reproduce the fingerprint recorded when the folder was saved (one
+    forward of its probe input: another class whose names match, a tie the saved model did not have, are refused;
+    `check_fingerprint=False` or NORMSWAP_NO_FINGERPRINT=1 skip it).
     On an error after the structure was applied, `model` is left part-changed: build a new one.
     """
     _check_fresh(model)
@@ -131,11 +154,13 @@ def restore(model: nn.Module, folder) -> nn.Module:
         f" (the folder was saved from {saved}, this model is a {this})"
     with _record_errors(hint):
         portable.validate(record, where, model)
-        portable.verify_checksum(record, folder, where)   # before the model changes: section and weights' headers
+        checksum.verify_checksum(record, folder, where)   # before the model changes: section and weights' headers
         _check_norms(model, record, where)
         portable.rebuild(model, record, where, build_norm)
         off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the rebuilt norms
+        _check_ties(model, folder, where)
         load_weights(model, folder, _strict(where))
+        schema.verify_fingerprint(model, record, where, check_fingerprint)
     _warn_dtypes(model, folder)
     set_section(model, record)
     return model

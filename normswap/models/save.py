@@ -1,7 +1,9 @@
 """Saving a (converted) model, atomically: in Hugging Face layout, config.json with its `normswap` section
-(validated on load by `schema`, with a checksum), model.safetensors (sharded with an index above
-max_shard_size), modeling_normswap.py (`hub`), generation config and tokenizer files; a module without a
-transformers config, its weights and normswap.json (the same section, rebuilt by `restore`)."""
+(validated on load by `schema`, with a checksum and a fingerprint), the weights (a converted model's as the
+"normswap" variant, model.normswap.safetensors, sharded with an index above max_shard_size),
+modeling_normswap.py (`hub`), generation config and tokenizer files; a module without a transformers config, its
+weights and normswap.json (the same section, rebuilt by `restore`). The section is sealed by the code the folder
+ships (`shipped.sealed`, `shipped.finish_folder`): the same as the model's own save_pretrained runs."""
 from __future__ import annotations
 
 import contextlib
@@ -14,12 +16,17 @@ from torch import nn
 
 from normswap.io.atomic import Held, atomic_dir
 from normswap.io import kept, owned, safetensors
-from normswap.errors import NormswapError
-from normswap.models import schema
-from normswap.models.hub import make_self_describing
+from normswap.io.checksum import VARIANT
+from normswap.io.shipped import finish_folder, sealed
+from normswap.errors import NormswapError, reraised
+from normswap.io.portable import InvalidConversion
+from normswap.models import hub
+from normswap.models.adopt import original_class
 from normswap.models.introspect import is_causal_lm
 from normswap.models.names import renamed_modules, saved_names
-from normswap.models.section import has_config, section as module_section
+from normswap.models.wrapped import unwrapped
+from normswap.models.section import MODULE_TYPE, has_config, qualified_name, set_section
+from normswap.models.section import section as module_section
 from normswap.models.source import transformers_class
 
 
@@ -27,7 +34,8 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
                     max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                     check: Callable[[Path], None] | None = None,
                     tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None,
-                    source: str | Path | None = None, lock: Held | None = None) -> Path:
+                    source: str | Path | None = None, lock: Held | None = None,
+                    fingerprint: Callable[[Path], dict] | None = None) -> Path:
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
@@ -42,34 +50,37 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     source: the model's folder, whose other files its loaders read OUT keeps (`io.kept`: sentence-transformers'
     modules, the slow tokenizer's files, generation settings); a file linked from outside it is refused.
     lock: OUT's lock, held by the caller since before its work (`io.atomic.held`: heal's training).
+    fingerprint(folder), if given, computes the fingerprint from the written folder after `check` (streaming:
+    `model` is on meta); by default it is recorded from `model` itself.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
     safetensors.parse_size(max_shard_size)   # a bad size fails before anything else
+    model = unwrapped(model)   # nn.DataParallel, torch.compile: the model inside, as `convert` converted it
     if not has_config(model):
-        return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files, lock)
-    section = getattr(model.config, "normswap", None)
-    if section and transformers_class(type(model).__name__) is not type(model):
-        raise NormswapError(f"cannot save the converted {type(model).__name__}: it is not a transformers class (its "
+        return save_module(model, out, tokenizer, overwrite, max_shard_size, check, tensors, files, lock, fingerprint)
+    section, cls = getattr(model.config, "normswap", None), original_class(model)
+    if section and transformers_class(cls.__name__) is not cls:
+        raise NormswapError(f"cannot save the converted {cls.__name__}: it is not a transformers class (its "
                             "code came from a model folder or from you), so the saved folder could not be rebuilt "
                             "exactly, in normswap or in plain transformers; nothing was written")
     if getattr(model.config, "transformers_weights", None):   # the source's weights file name, not ours
         delattr(model.config, "transformers_weights")
-    model.config.architectures = [type(model).__name__]  # what from_pretrained rebuilds (as HF does)
+    model.config.architectures = [cls.__name__]  # what from_pretrained rebuilds (as HF does)
     model.config.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     _record_untied(model)
     saved = saved_names(model)   # transformers' names on disk, which transformers 4 builds
     with atomic_dir(out, overwrite, lock) as tmp:
-        safetensors.save_model(model, tmp, max_shard_size, tensors, saved)  # tied tensors once, restored by loading
-        if section:  # the class to rebuild (whatever config.json's architectures say) and the checksum
-            section.update(format=schema.section_format(section),
-                           base={"architecture": type(model).__name__, "model_type": model.config.model_type})
+        # tied tensors once, restored by loading; a converted model's as the variant its own classes read
+        safetensors.save_model(model, tmp, max_shard_size, tensors, saved, VARIANT if section else None)
+        if section:   # the class to rebuild (whatever config.json's architectures say)
+            section["base"] = {"architecture": cls.__name__, "model_type": model.config.model_type}
             section.pop("renamed", None)
             if renamed := renamed_modules(saved):
                 section["renamed"] = renamed
-            section["checksum"] = schema.checksum(section, tmp)
         model.config.save_pretrained(tmp)
-        make_self_describing(tmp, model)  # modeling file + auto_map: loads in transformers without normswap
+        if section:   # fingerprint, checksum, modeling file + auto_map: loads in transformers without normswap
+            _finish(model, tmp, pending=fingerprint is not None)
         names = kept.copy_kept(source, tmp) if source is not None else []   # before the files normswap rewrites
         if getattr(model, "generation_config", None) is not None and is_causal_lm(model.config):
             with contextlib.suppress(Exception):
@@ -81,14 +92,17 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
         kept.record(tmp, names)
         if check is not None:
             check(tmp)
+        if section and fingerprint is not None:
+            _finish(model, tmp, fingerprint(tmp))
     return Path(out)
 
 
-MODULE_TYPE = "torch.nn.Module"   # the record's base.model_type for a module without a transformers config
-
-
-def qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _finish(model: nn.Module, folder: Path, found: dict | None = None, pending: bool = False) -> None:
+    """`shipped.finish_folder` with this model's code: the fingerprint `found`, or none yet (`pending`: the caller
+    computes it from the written folder), or recorded from the model."""
+    probe_only = {k: v for k, v in (model.config.normswap.get("fingerprint") or {}).items() if k == "probe"}
+    with reraised(InvalidConversion):
+        finish_folder(model, folder, hub.code(model.config.normswap), found or (probe_only if pending else None))
 
 
 def module_record(model: nn.Module) -> dict:
@@ -97,8 +111,7 @@ def module_record(model: nn.Module) -> dict:
     record = module_section(model)
     if record is None:
         record = {"norms": {}, "added_biases": [], "output_fixes": {}, "conversions": []}
-    record.update(format=schema.section_format(record), base={"architecture": qualified_name(type(model)),
-                                                              "model_type": MODULE_TYPE})
+    record.update(base={"architecture": qualified_name(type(model)), "model_type": MODULE_TYPE})
     return record
 
 
@@ -106,13 +119,16 @@ def save_module(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bo
                 max_shard_size: int | str = safetensors.DEFAULT_MAX_SHARD_SIZE,
                 check: Callable[[Path], None] | None = None,
                 tensors: Iterable[torch.Tensor] | None = None, files: dict[str, str] | None = None,
-                lock: Held | None = None) -> Path:
-    """`save_pretrained` for a module without a transformers config: weights (tied tensors once) and
-    normswap.json with the section's checksum (of itself and of the weights' headers)."""
+                lock: Held | None = None, fingerprint: Callable[[Path], dict] | None = None) -> Path:
+    """`save_pretrained` for a module without a transformers config: weights (tied tensors once, the "normswap"
+    variant) and normswap.json, the section sealed (fingerprint, checksum of itself and of the weights' headers)."""
     record = module_record(model)
     with atomic_dir(out, overwrite, lock) as tmp:
-        safetensors.save_model(model, tmp, max_shard_size, tensors)
-        record["checksum"] = schema.checksum(record, tmp)
+        safetensors.save_model(model, tmp, max_shard_size, tensors, variant=VARIANT)
+        with reraised(InvalidConversion):
+            record = sealed(record, model, tmp, fingerprint(tmp) if fingerprint else None)
+        if module_section(model) is not None:   # as a transformers config's section is updated by its save
+            set_section(model, record)
         (tmp / owned.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)

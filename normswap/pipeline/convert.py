@@ -27,7 +27,7 @@ from normswap.models.inputs.examples import batches_of, check_examples, model_in
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
 from normswap.models.source import Source, check_code, read_folder, read_source, source_folder
-from normswap.parity import Parity, compare_to, reference_outputs, refuse_nonfinite
+from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
 from normswap.pipeline.stream import convert_folder, streamable
@@ -36,7 +36,7 @@ from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
 from normswap.surgery.report import ConversionReport
 from normswap.surgery.rotate import RotationReport, rotate
-from normswap.surgery.verification import VerificationFailed
+from normswap.surgery.verification import VerificationFailed, broken_source, refuse_nonfinite
 from normswap.textdata import read_texts
 
 DEFAULTS = ConvertOptions()   # frozen
@@ -84,11 +84,21 @@ def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
 
 
 def _heal_texts(o: ConvertOptions) -> list[str] | None:
+    """The text `finetune_steps` heals on; refused where there is none, or nothing a heal could bring back."""
+    if o.finetune_steps and o.method == "exact" and o.to == "rmsnorm":
+        raise NormswapError("`finetune_steps` heals a model the conversion changed, and `method='exact'` keeps "
+                            "the original's outputs: healing could only move them away; drop `finetune_steps`, or "
+                            "use `method='naive'` or `method='auto'` (which heals only where it falls back to naive)")
     if o.finetune_steps and not o.data:
         raise NormswapError("`finetune_steps` needs `data`: plain text files to distil on")
     if o.data and not o.finetune_steps:
         raise NormswapError("`data` is used only with `finetune_steps`")
     return read_texts(o.data) if o.finetune_steps else None
+
+
+def _exact(report: ConversionReport) -> bool:
+    """An RMSNorm conversion that kept the original's outputs (verified): nothing for a heal to bring back."""
+    return report.method == "exact" and report.to == "rmsnorm"
 
 
 def _check_rotate(o: ConvertOptions) -> None:
@@ -179,10 +189,15 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     original = copy.deepcopy(model) if texts else None
     model, tokenizer, report = _converted(src, o, device, model, tokenizer, examples)
     result = ConvertResult(report, None, None, notices=notices)
-    _refuse_broken(src, report)
+    _refuse_broken(src, report)   # its norms named, where they are what gives NaN
     if not report.converted:
         return result
-    if texts:
+    if reference.nonfinite:   # the source is at fault, whatever the converted model gives
+        raise broken_source(reference.nonfinite, reference.output, "; nothing was written")
+    if texts and _exact(report):
+        result.notices.append("the conversion is exact (the original's outputs): `finetune_steps` was not used, "
+                              "since healing could only move them away")
+    elif texts:
         if tokenizer is None:
             raise NormswapError("`finetune_steps` needs the model's tokenizer files")
         result.parity_before_heal = compare_to(reference, model, skip=report.unverified)

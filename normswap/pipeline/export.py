@@ -7,8 +7,10 @@ from pathlib import Path
 from normswap.errors import NormswapError
 from normswap.export.folder import export_folder
 from normswap.export.onnx import ExportReport, check_args, check_quantize, export_onnx
+from normswap.io import fingerprint
 from normswap.io.atomic import check_output, check_replaceable
-from normswap.models.load import load_model
+from normswap.models.load import LoadOptions, load_model
+from normswap.models.section import section
 from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ExportOptions
@@ -19,6 +21,8 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
     (model.onnx, config, tokenizer, generation config) or, with `out` None, into the file `options.onnx`.
 
     `options.device` is where PyTorch traces and computes the reference; onnxruntime validates on its CPU.
+    A converted SRC's recorded fingerprint is the graph's too (`export_onnx`'s `saved_fingerprint`): the file is
+    checked against the model SRC saved, not only against the model loaded from it.
     """
     o = options if options is not None else ExportOptions()
     if (out is None) == (o.onnx is None):
@@ -34,9 +38,21 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
         check_replaceable(out, o.overwrite)
     model, tokenizer = load_model(src, options=o.load)
     model.to(device)
-    fp16 = o.dtype == "fp16"
+    fp16, saved = o.dtype == "fp16", saved_fingerprint(model, o.load)
     if out is not None:
         return export_folder(model, out, tokenizer=tokenizer, target=o.target, fp16=fp16, with_past=o.with_past,
-                             opset=o.opset, overwrite=o.overwrite, source=source_folder(src), quantize=o.quantize)
+                             opset=o.opset, overwrite=o.overwrite, source=source_folder(src), quantize=o.quantize,
+                             saved_fingerprint=saved)
     return export_onnx(model, o.onnx, target=o.target, fp16=fp16, with_past=bool(o.with_past), opset=o.opset,
-                       overwrite=o.overwrite, quantize=o.quantize)
+                       overwrite=o.overwrite, quantize=o.quantize, saved_fingerprint=saved)
+
+
+def saved_fingerprint(model, load: LoadOptions) -> dict | None:
+    """The fingerprint SRC's folder recorded (None: not converted); its digest left out, with why, where the load
+    skipped checking it (the model is then knowingly not the one saved)."""
+    found = (section(model) or {}).get("fingerprint")
+    skipped = f"{fingerprint.SKIP_ENV}=1" if fingerprint.skipped() else \
+        "`allow_missing_weights`" if load.allow_missing_weights else None
+    if not isinstance(found, dict) or skipped is None:
+        return found if isinstance(found, dict) else None
+    return {"probe": found.get("probe"), "none": f"not checked when SRC was loaded ({skipped})"}

@@ -10,6 +10,7 @@ from normswap.pipeline.options import InspectOptions
 from normswap.surgery.exact import plan
 from normswap.surgery.report import BIAS_FATE, plan_lines
 from normswap.surgery.walk import find_norms
+from normswap.io.shipped import original_class
 
 
 @dataclass
@@ -59,4 +60,4 @@ def inspect_checkpoint(src: str, options: InspectOptions | None = None) -> Inspe
     rows += [{"name": n, "type": type(model.get_submodule(n)).__name__, "action": "already RMSNorm: kept"}
              for n in rms]
     rows += [{"name": s.name, "type": s.cls, "action": f"skipped: {s.reason}"} for s in skipped]
-    return InspectResult(type(model).__name__, rows, why_not, len(sites), len(rms), len(skipped), dict(found))
+    return InspectResult(original_class(model).__name__, rows, why_not, len(sites), len(rms), len(skipped), dict(found))

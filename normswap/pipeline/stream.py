@@ -29,7 +29,7 @@ from normswap import progress
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, bound_heap, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
-from normswap.io import portable, safetensors
+from normswap.io import fingerprint, portable, safetensors
 from normswap.io.spill import Spill
 from normswap.models.demo import DEMO_NAME
 from normswap.models.inputs.examples import model_inputs
@@ -38,13 +38,13 @@ from normswap.models.rebuild import base_config
 from normswap.models.save import save_pretrained
 from normswap.models.source import DTYPES, Folder, Source, dtype_name, read_config, read_folder
 from normswap.norms import build_norm
-from normswap.parity import Parity, compare, refuse_nonfinite
+from normswap.parity import Parity, compare
 from normswap.surgery import exact
 from normswap.surgery.convert import convert_with
 from normswap.surgery.interpret import ExactResult, Recorder, interpret
 from normswap.surgery.plan import Plan
 from normswap.surgery.report import ConversionReport
-from normswap.surgery.verification import enforced, judge
+from normswap.surgery.verification import enforced, judge, refuse_nonfinite
 
 
 def streamable(src: Source) -> bool:
@@ -59,13 +59,16 @@ class Deferred:
     that reads each module's weights just before it runs; applied by recording each layer's edits."""
 
     def __init__(self, lazy: Lazy, inputs: list[dict]):
-        self.lazy, self.inputs = lazy, inputs
+        self.lazy, self.batches = lazy, inputs
+
+    def inputs(self, model: nn.Module) -> list[dict]:
+        return self.batches
 
     def plan(self, model: nn.Module, sites) -> Plan:
         handles = self.lazy.attach(model)
         try:
             with LoadOnUse(self.lazy):
-                return exact.plan(model, sites, self.inputs)
+                return exact.plan(model, sites, self.batches)
         finally:
             for h in handles:
                 h.remove()
@@ -117,23 +120,49 @@ def _sample_inputs(model: nn.Module, examples: list | None) -> list[dict]:
         raise NotStreamable(str(e)) from None
 
 
+def lazy_folder(out: Path, dtype: torch.dtype, bar=None) -> tuple[nn.Module, Lazy, dict]:
+    """The model of folder `out` (saved by normswap) on meta, rebuilt from the recorded base class as
+    from_pretrained does (no remote code) by the code the folder ships, its tensors read on use; (model, its
+    Lazy, the section)."""
+    raw = read_config(out)
+    config, cls = base_config(raw, raw["normswap"], str(out))
+    converted = skeleton(config, dtype, cls)
+    with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
+        portable.rebuild(converted, raw["normswap"], str(out), build_norm, quiet=True)   # the report says it
+    lazy = Lazy(converted, safetensors.Reader(out, mapped=True), bar)
+    read_buffers(converted, lazy)
+    return converted, lazy, raw["normswap"]
+
+
+def fingerprint_lazy(out: Path, dtype: torch.dtype) -> dict:
+    """The fingerprint of the folder `out` as written (streamed: the converted model exists only there), its
+    probe run on the model rebuilt from it as every loader rebuilds it, in the stored dtype."""
+    converted, lazy, section = lazy_folder(out, dtype)
+    found = section.get("fingerprint") or {}
+    if "probe" not in found:
+        return found
+    handles = lazy.attach(converted)
+    try:
+        with LoadOnUse(lazy):
+            return fingerprint.record(converted, found["probe"])
+    finally:
+        for h in handles:
+            h.remove()
+        lazy.free_all()
+
+
 def verify_lazy(original: Folder, out: Path, dtype: torch.dtype, show_progress: bool = False,
                 skip: dict | None = None, examples: list | None = None) -> Parity:
     """Parity of folder `out` (saved by normswap) against the folder `original` was read from (`read_folder`: not
     checked again) with neither model in memory (the `skip` outputs, name -> why, not compared: see
     `parity.reference_outputs`)."""
-    raw = read_config(out)   # rebuilt from the recorded base class, as from_pretrained does: no remote code
-    config, cls = base_config(raw, raw["normswap"], str(out))
-    converted = skeleton(config, dtype, cls)
-    with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
-        portable.rebuild(converted, raw["normswap"], str(out), build_norm, quiet=True)   # the report says it
     reference, source = reopen(original, dtype)
     inputs = _sample_inputs(reference, examples)
     total = len(inputs) * (original.reader.total_size() + safetensors.Reader(out).total_size())
     with progress.bar(total=total, desc="verify", unit="B", unit_scale=True, enabled=show_progress) as bar:
         source.bar = bar
-        lazies = [source, Lazy(converted, safetensors.Reader(out, mapped=True), bar)]
-        read_buffers(converted, lazies[1])
+        converted, lazy, _ = lazy_folder(out, dtype, bar)
+        lazies = [source, lazy]
         for model, lazy in zip((reference, converted), lazies):
             # run in fp32, with the values of the model as loaded
             lazy.via = {n: t.dtype for n, t in model.state_dict(keep_vars=True).items() if t.is_floating_point()}
@@ -194,5 +223,6 @@ def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm
         lazy.bar = bar
         save_pretrained(model, out, tokenizer=load_tokenizer(folder.src), overwrite=overwrite,
                         max_shard_size=max_shard_size, check=verification,
-                        tensors=_edited_tensors(model, lazy, specs, edits), source=folder.path)
+                        tensors=_edited_tensors(model, lazy, specs, edits), source=folder.path,
+                        fingerprint=lambda written: fingerprint_lazy(written, stored))
     return report, verification.parity

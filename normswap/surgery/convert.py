@@ -4,15 +4,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError
+from normswap.errors import NormswapError, first_line
+from normswap.io import fingerprint
 from normswap.norms import RMSNorm, build_norm, norm_spec, off_fast_path
 from normswap.ops import check_eps, partial_width
-from normswap.models.inputs.examples import check_examples
+from normswap.models.adopt import adopt
+from normswap.models.inputs.examples import NoInputs, check_examples
+from normswap.models.section import new_section, set_section
 from normswap.models.section import section as model_section
-from normswap.models.section import set_section
+from normswap.models.wrapped import unwrapped
 from normswap.surgery.exact import InMemory, auto, exact
 from normswap.surgery.methods import ExactSteps, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
+from normswap.surgery.trainable import kept_trainable
 from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
 
 TARGETS = ("rmsnorm", "prmsnorm")
@@ -32,12 +36,25 @@ def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
     return new
 
 
-def _record(model: nn.Module, report: ConversionReport) -> None:
+def probe(steps: ExactSteps, model: nn.Module) -> dict:
+    """The fingerprint's probe (`io.fingerprint`): the first batch of the inputs the conversion runs on (normswap's
+    first sample, else the user's first example), or why there is none."""
+    try:
+        batch = steps.inputs(model)[0]
+    except NoInputs as e:
+        return {"none": f"no input to run it on ({first_line(e, strip=True)})"}
+    try:
+        return {"probe": {"args": fingerprint.encode(()), "kwargs": fingerprint.encode(batch)}}
+    except TypeError as e:
+        return {"none": f"its first input batch cannot be stored ({e})"}
+
+
+def _record(model: nn.Module, report: ConversionReport, steps: ExactSteps) -> None:
     """Write what was converted into the model's normswap section (`models.section`: config.normswap, saved
     with the config, or an attribute of a model without one)."""
     if not report.converted:
         return
-    section = dict(model_section(model) or {"format": 1, "norms": {}, "added_biases": [], "conversions": []})
+    section = dict(model_section(model) or new_section(model, probe(steps, model)))
     section["norms"] = {**section["norms"],
                         **{r.name: norm_spec(model.get_submodule(r.name)) for r in report.converted}}
     section["added_biases"] = sorted(set(section["added_biases"]) | set(report.added_biases))
@@ -78,15 +95,24 @@ def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: floa
     arguments), as torch.export takes them: exact traces, rehearses and verifies on them (besides normswap's
     own samples for a transformers model); any other nn.Module converts exactly only with them. Running it
     again on a converted model is a no-op.
+
+    A model wrapped in nn.DataParallel or torch.compile is converted inside its wrapper, which then runs the
+    converted model (DistributedDataParallel is refused: convert before wrapping). Parameters the conversion
+    creates keep the user's choice of `requires_grad`: a new norm's gain that of the norm it replaces, an added
+    bias that of its layer's weight.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    model = unwrapped(model)
     meta = next((n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if meta is not None:  # probing needs values: a meta model would have every norm "skipped"
         raise NormswapError(f"the model's weights are on the meta device ({meta}, ...): load them before "
                             "converting (a saved folder converts with bounded memory through `convert_checkpoint`)")
     check_examples(example_inputs)
-    return convert_with(model, to, method, p, filter_fn, InMemory(example_inputs))[0]
+    report, _ = convert_with(model, to, method, p, filter_fn, InMemory(example_inputs))
+    if report.converted:   # its own save_pretrained now writes a complete, self-verifying folder
+        adopt(model)
+    return report
 
 
 def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
@@ -95,6 +121,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     """`convert`, with the exact method's `steps` given (default: in memory, on the model's own samples);
     (report, what the method did, None when there was nothing to convert)."""
     p = _check_target(to, p)
+    steps = steps or InMemory()
     if method not in METHODS:
         raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(METHODS))}")
     sites, skipped, rms = find_norms(model, filter_fn)
@@ -107,7 +134,16 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             check_eps(site.eps)
         except ValueError as e:
             raise NormswapError(f"{site.name}: {e}") from None
-    result = METHODS[method](model, sites, steps)
+    with kept_trainable(model):
+        result = METHODS[method](model, sites, steps)
+        _swap(model, sites, report, result, to, p, steps)
+        result.after_swap(model, report)   # fixes installed (exact), verified
+    return report, result
+
+
+def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: str,
+          p: float | None, steps: ExactSteps) -> None:
+    """The norms swapped after `result`'s method ran, and what it did written into `report` and the section."""
     report.method = result.method
     report.added_biases = result.added_biases
     report.warnings += result.warnings
@@ -124,6 +160,4 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
             method=_row_method(result.per_norm_method.get(site.name, result.method), to),
             bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
     off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
-    _record(model, report)
-    result.after_swap(model, report)
-    return report, result
+    _record(model, report, steps)

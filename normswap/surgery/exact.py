@@ -57,7 +57,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from normswap.errors import NormswapError, first_line
+from normswap.errors import FellBackToNaive, NormswapError, first_line, warn_caller
 from normswap.models.inputs.examples import NoInputs, model_inputs
 from normswap.models.introspect import norm_kind
 from normswap.parity import Reference, compare_to
@@ -90,7 +90,8 @@ def auto_or_naive(method: str, attempt: Callable[[], T], fallback: Callable[[], 
                   warnings: Callable[[T], list[str]], failure: type[Exception] = NotExact) -> T:
     """The one auto -> naive fallback (a model in memory, its plan, a streamed folder): `attempt()`; where it
     raises `failure` under method "auto", `fallback()` (naive, on an untouched model: the caller's to provide)
-    with the warning saying why in `warnings(result)`; under any other method the failure propagates."""
+    with the warning saying why in `warnings(result)`, and raised as a Python warning (`FellBackToNaive`) where
+    the caller sees it; under any other method the failure propagates."""
     try:
         return attempt()
     except failure as e:
@@ -98,6 +99,7 @@ def auto_or_naive(method: str, attempt: Callable[[], T], fallback: Callable[[], 
             raise
         result = fallback()
         warnings(result).append(fell_back(e))
+        warn_caller(fell_back(e), FellBackToNaive)
         return result
 
 
@@ -208,6 +210,9 @@ class InMemory:
 
     def __init__(self, examples=None):
         self.examples = examples
+
+    def inputs(self, model: nn.Module) -> list[dict]:
+        return model_inputs(model, self.examples)
 
     def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
         return plan(model, sites, examples=self.examples)

@@ -30,6 +30,7 @@ from torch import nn
 from normswap.errors import NormswapError, first_line
 from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
 from normswap.models.section import has_config, section, set_section
+from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.centring import add_output_fix, describe_fix
@@ -37,6 +38,7 @@ from normswap.surgery.orthogonal import METHODS, rotation
 from normswap.surgery.plan import PARAM
 from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
 from normswap.surgery.trace import trace
+from normswap.surgery.trainable import kept_trainable
 
 __all__ = ["NotRotatable", "RotationReport", "rotate"]
 
@@ -83,6 +85,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
+    model = unwrapped(model)   # as `convert`: inside nn.DataParallel and torch.compile
     if method not in METHODS:
         raise NormswapError(f"unknown rotation method '{method}': choose hadamard or random")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -103,14 +106,15 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
                                                  "returned rotated (and centred)")
-    report.untied = _untie(model, found)
-    report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
-    for i, s in enumerate(found.streams):
-        q, what = rotation(s.width, method, seed + i)
-        _rotate_stream(model, s, q)
-        report.streams.append({"width": s.width, "q": what, "norms": s.norms,
-                               "writers": [w.target for w in s.writers], "readers": sorted(s.readers)})
-        report.unrotated.update(_unrotated(s))
+    with kept_trainable(model):   # new matrices and biases train where what they are added to did
+        report.untied = _untie(model, found)
+        report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
+        for i, s in enumerate(found.streams):
+            q, what = rotation(s.width, method, seed + i)
+            _rotate_stream(model, s, q)
+            report.streams.append({"width": s.width, "q": what, "norms": s.norms,
+                                   "writers": [w.target for w in s.writers], "readers": sorted(s.readers)})
+            report.unrotated.update(_unrotated(s))
     _record(model, report, found)
     report.verification = _verify(reference, model)
     return report

@@ -15,7 +15,7 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.inputs.examples import model_inputs
 from normswap.models.modes import eval_mode
-from normswap.parity import Reference, compare_to, reference_outputs
+from normswap.parity import Parity, Reference, compare_to, grouped, reference_outputs
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 PARTIAL_WARNING = ("pRMSNorm estimates the RMS from a subset of features: biases are folded exactly but the "
@@ -49,14 +49,32 @@ def fp32_eval(model: nn.Module):
             t.data = t.data.to(dtype)
 
 
+def broken_source(nonfinite: int, outputs: str, converted: str = "") -> NormswapError:
+    """The refusal for a source model whose own outputs hold `nonfinite` NaN/inf values (in `outputs`): no
+    conversion of it can be checked, whatever the converted model gives (`converted`: said after)."""
+    return NormswapError(f"the source model gives {nonfinite} non-finite (NaN/inf) {outputs} values on sample "
+                         f"inputs: it is broken, so no conversion of it can be checked{converted}")
+
+
+def refuse_nonfinite(parity: Parity) -> None:
+    """Never save a model compared with a source that gives NaN/inf (the source is at fault: said so), nor one that
+    gives NaN/inf itself: one line saying how many, on both sides."""
+    if parity.ref_nonfinite:
+        raise broken_source(parity.ref_nonfinite, grouped(parity.outputs) or parity.output,
+                            f" (the converted model: {parity.nonfinite}); nothing was saved")
+    if parity.nonfinite:
+        raise NormswapError(f"the converted model gives {parity.nonfinite} non-finite (NaN/inf) "
+                            f"{grouped(parity.outputs) or parity.output} values on sample inputs (the original: "
+                            "none); nothing was saved")
+
+
 def reference(model: nn.Module, skip: dict | None = None, examples=None) -> Reference:
     """The unedited model's fp32 outputs on its samples and the user's `examples` (but the `skip` outputs:
     name -> why, reported as not preserved); a source that gives NaN/inf cannot be called exact."""
     with fp32_eval(model):
         ref = reference_outputs(model, model_inputs(model, examples), skip=skip)
     if ref.nonfinite:
-        raise NormswapError(f"the source model gives {ref.nonfinite} non-finite (NaN/inf) {ref.output} values on "
-                            "sample inputs: it is broken, so no conversion of it can be verified as exact")
+        raise broken_source(ref.nonfinite, ref.output)
     return ref
 
 

@@ -61,6 +61,11 @@ def test_a_vision_or_audio_encoder_exports_on_its_own_inputs(name, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["validated"]
+    # the conversion's probe on the graph's inputs, the folder's recorded digest where the graph takes all of it
+    found = report["fingerprint"]
+    assert found["probe_from"] == "model" and found["checked"]
+    dropped = {"none": "the graph takes no `bool_masked_pos`"}
+    assert found["saved"] == (dropped if name == "dinov2" else found["outputs"])
     feed = MODELS[name][2](torch.Generator().manual_seed(5))
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     graph = {i.name: i.shape for i in sess.get_inputs()}

@@ -3,6 +3,8 @@
 other batch sizes and lengths."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -81,6 +83,20 @@ def test_every_norm_is_one_fused_node(exported, case):
     graph = fuse.norm_nodes(onnx.load(str(path)))
     assert sum(graph[k] for k in fuse.RMS_OPS) == norms and fuse.decomposed_rms(onnx.load(str(path))) == 0
     assert sum(report.fused.get(k, 0) for k in fuse.RMS_OPS) == norms
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fingerprint_is_the_conversions_probe_by_the_graphs_names(exported, case):
+    """The first example batch the module was converted on, by the graph's input names; its outputs' digest by the
+    graph's output names (nested ones flattened, as the graph returns them)."""
+    model, report, path = exported[case]
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    found = json.loads(props["normswap.fingerprint"])
+    probe = model.normswap_section["fingerprint"]["probe"]["kwargs"]["dict"]
+    assert found["probe_from"] == "model" and found["probe"]["dict"] == {k: probe[k] for k in found["probe"]["dict"]}
+    assert list(found["probe"]["dict"]) == list(CASES[case][1](1, 2))
+    assert list(found["outputs"]) == CASES[case][3]
+    assert report.fingerprint["checked"] and validate.check_fingerprint(path) is True
 
 
 def test_report_names_each_output(exported):

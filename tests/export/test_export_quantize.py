@@ -50,6 +50,16 @@ def test_the_int8_graph_has_integer_matmuls_and_keeps_the_fused_norms(exported):
     assert (out / "genai_config.json").exists()
 
 
+def test_the_int8_file_carries_no_fingerprint_and_says_why(exported):
+    """The fp32 graph reproduced its fingerprint before quantization; int8 does not, by design (error measured)."""
+    _, out, report = exported
+    props = {p.key: p.value for p in onnx.load(str(out / "model.onnx"), load_external_data=False).metadata_props}
+    why = json.loads(props["normswap.fingerprint"])["none"]
+    assert why.startswith("an int8 quantization is not exact") and report["fingerprint"] == {"none": why}
+    with pytest.warns(UserWarning, match="no fingerprint to check"):
+        assert validate.check_fingerprint(out / "model.onnx") is False
+
+
 @torch.no_grad()
 def test_the_reported_error_is_measured_against_pytorch(exported):
     model, out, report = exported

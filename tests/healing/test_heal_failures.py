@@ -125,3 +125,22 @@ def test_sigterm_while_convert_heals_exits_143_with_nothing_written(saved, tmp_p
                                   str(tmp_path / "c")])
     assert r.exit_code == 143 and r.stderr.strip() == "interrupted: nothing was written", r.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_teacher_of_another_kind_is_one_line_error(saved, tmp_path):
+    """Issue 46 #5: a teacher that is not a causal LM failed with AttributeError on `.logits` (a headless one) or
+    on `.dtype` (an image model fed token ids)."""
+    from transformers import GPT2Config, GPT2Model
+    from helpers.tiny import tiny_model
+    GPT2Model(GPT2Config.from_pretrained(saved / "orig")).save_pretrained(tmp_path / "headless")
+    tiny_model("vit").save_pretrained(tmp_path / "vit")
+    cases = {"headless": "the student gives logits and the teacher none (a model without its head)",
+             "vit": "the teacher (ViTModel) reads pixel_values, the student (GPT2LMHeadModel) input_ids"}
+    for teacher, message in cases.items():
+        r = CliRunner().invoke(main, ["heal", str(saved / "conv"), "--teacher", str(tmp_path / teacher), "--data",
+                                      str(saved / "train.txt"), "--steps", "1", "-o", str(tmp_path / "o")])
+        assert r.exit_code == 1 and r.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), r.output
+    assert not (tmp_path / "o").exists()
+    student, tok = from_pretrained(saved / "conv"), tokenizer()
+    with pytest.raises(NormswapError, match=r"the teacher \(ViTModel\) reads pixel_values"):
+        normswap.heal(student, tiny_model("vit"), TRAIN, tokenizer=tok, steps=1)

@@ -13,6 +13,7 @@ from helpers.heal_models import bert, gpt2, save_pair, text, tokenizer
 from safetensors import safe_open
 
 import normswap
+from normswap.io.safetensors import weights_names
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.evaluation import evaluate
@@ -31,7 +32,7 @@ def _kl(model, teacher, tok):
 
 
 def _keys(folder):
-    with safe_open(folder / "model.safetensors", "pt") as f:
+    with safe_open(folder / weights_names(folder)[0], "pt") as f:
         return set(f.keys())
 
 

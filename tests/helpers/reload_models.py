@@ -31,6 +31,10 @@ MAKERS = {
         decoder_start_token_id=3, max_position_embeddings=64)),
     "hubert-stable": lambda: tf.HubertModel(tf.HubertConfig(**STABLE)),
     "unispeech_sat-stable": lambda: tf.UniSpeechSatModel(tf.UniSpeechSatConfig(**STABLE)),
+    # transformers 5 renames its attention's q_bias / v_bias to query.bias / value.bias when loading
+    "videomae-pretrain": lambda: tf.VideoMAEForPreTraining(tf.VideoMAEConfig(
+        image_size=32, num_frames=4, tubelet_size=2, qkv_bias=True, decoder_hidden_size=D, decoder_num_hidden_layers=1,
+        decoder_num_attention_heads=4, decoder_intermediate_size=64, **VISION)),
     "yolos": lambda: tf.YolosForObjectDetection(tf.YolosConfig(image_size=[32, 32], num_detection_tokens=4,
                                                                use_mid_position_embeddings=False, **VISION)),
 }

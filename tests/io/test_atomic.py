@@ -71,7 +71,7 @@ def test_foreign_folder_needs_overwrite_any(gpt2_dir, tmp_path):
     assert "was not written by normswap" in line and "--overwrite-any" in line
     assert (out / "notes.txt").read_text() == "mine"
     result = run("convert", gpt2_dir, "--to", "rmsnorm", "-o", out, "--overwrite-any")
-    assert result.exit_code == 0 and not (out / "notes.txt").exists() and (out / "model.safetensors").exists()
+    assert result.exit_code == 0 and not (out / "notes.txt").exists() and (out / "model.normswap.safetensors").exists()
 
 
 def test_own_output_with_extra_files_needs_overwrite_any(gpt2_dir, tmp_path, converted):

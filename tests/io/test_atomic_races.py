@@ -120,7 +120,7 @@ def test_files_folder_and_parent_are_synced_before_the_old_out_goes(tmp_path, co
                                                                  real_remove(p, **k)))
     normswap.save_pretrained(converted, out, overwrite=True)
     synced = [name for kind, name in events if kind == "sync"]
-    assert {"model.safetensors", "config.json"} <= set(synced)
+    assert {"model.normswap.safetensors", "config.json"} <= set(synced)
     assert synced[-1] == tmp_path.name   # the parent, after the rename
     first_remove = next(i for i, (kind, _) in enumerate(events) if kind == "remove")
     assert events.index(("sync", tmp_path.name)) < first_remove

@@ -56,3 +56,21 @@ def test_bad_files_are_one_line_errors(tmp_path, capsys, make, match):
     with pytest.raises(NormswapError, match=match) as e:
         read_batches(path)
     assert "\n" not in str(e.value) and "ran" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("names", [("0.input_ids", "00.input_ids"), ("0", "00"), ("1.x", "01.x"), ("0.0", "0.00")])
+def test_two_spellings_of_one_number_are_refused(tmp_path, names):
+    """Issue 46 #5: `0.input_ids` and `00.input_ids` were merged into one batch, one of the user's batches
+    silently dropped."""
+    save_file({n: torch.full((1, 3), i) for i, n in enumerate(names)}, tmp_path / "in.safetensors")
+    with pytest.raises(NormswapError, match="has a leading zero: write batches and positional arguments as 0, 1"):
+        read_batches(tmp_path / "in.safetensors")
+
+
+def test_a_name_of_digits_that_are_not_ascii_is_a_keyword_in_a_valid_file(tmp_path):
+    """Issue 46 #5: `²` (a digit to str.isdigit, not to int) made a valid file "not a valid safetensors file"."""
+    x = torch.ones(1, 3)
+    save_file({"²": x}, tmp_path / "a.safetensors")
+    save_file({"0.²": x, "1.input_ids": x.clone()}, tmp_path / "b.safetensors")
+    assert _same(read_batches(tmp_path / "a.safetensors"), {"²": x})
+    assert _same(read_batches(tmp_path / "b.safetensors"), [{"²": x}, {"input_ids": x}])

@@ -61,8 +61,8 @@ def test_a_converted_folder_keeps_the_sources_files(st_src, tmp_path, options):
     assert not set(out) & set(NOT_KEPT)
     assert (tmp_path / "out" / "3_Normalize").is_dir()
     # what else OUT holds, normswap wrote: config, weights, its modeling file, the tokenizer it saved
-    assert set(out) - kept_files <= {"config.json", "model.safetensors", "modeling_normswap.py", "tokenizer.json",
-                                     "tokenizer_config.json", "special_tokens_map.json"}
+    assert set(out) - kept_files <= {"config.json", "model.normswap.safetensors", "modeling_normswap.py",
+                                     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
     listed = json.loads((tmp_path / "out" / "config.json").read_text())[kept.KEY]
     assert set(listed) == kept_files | {"1_Pooling", "2_Dense", "3_Normalize"}
 

@@ -59,24 +59,23 @@ def test_not_preserved_entries_must_be_printable(tmp_path, entry):
 
 
 def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
-    """A matrix fix needs format 3 (format 2 readers, which ignored unknown keys, refuse format 3 in one line);
-    an unknown key is refused in every format rather than ignored (the model would be another)."""
+    """A matrix fix needs format 3 or later (format 2 readers, which ignored unknown keys, refuse format 3 in one
+    line); an unknown key is refused in every format rather than ignored (the model would be another); a format
+    this version does not know is refused."""
     normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
     section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
-    assert section["format"] == 2 == schema.section_format(section)   # no matrix: older readers load it
+    assert section["format"] == 4 == schema.FORMAT
     matrix = {**section, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "matrix": 32}}}
-    assert schema.section_format(matrix) == 3
-    assert schema.section_format({"output_fixes": {"h.0": {"centre": False, "bias": 0, "input": True,
-                                                           "input_matrix": 32}}}) == 3
-    portable.validate({**matrix, "format": 3}, "m")
+    for fmt in (3, 4):
+        portable.validate({**matrix, "format": fmt}, "m")
     with pytest.raises(portable.InvalidConversion, match=r"output_fixes\['transformer.ln_f'\]\.matrix is not in "
                                                           r"format 2 \(a newer normswap's\?\)"):
-        portable.validate(matrix, "m")
-    unknown = {**matrix, "format": 3, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "scale": 2}}}
-    with pytest.raises(portable.InvalidConversion, match=r"\.scale is not in format 3"):
+        portable.validate({**matrix, "format": 2}, "m")
+    unknown = {**matrix, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "scale": 2}}}
+    with pytest.raises(portable.InvalidConversion, match=r"\.scale is not in format 4"):
         portable.validate(unknown, "m")
-    with pytest.raises(portable.InvalidConversion, match="normswap format 4 is not supported"):
-        portable.validate({**matrix, "format": 4}, "m")
+    with pytest.raises(portable.InvalidConversion, match="normswap format 5 is not supported"):
+        portable.validate({**matrix, "format": 5}, "m")
 
 
 def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():

@@ -13,6 +13,9 @@ import normswap
 from normswap.io import safetensors as shards
 from normswap.errors import NormswapError
 
+# A converted folder's weights: transformers' names for the "normswap" variant (`io.checksum`).
+NS_WEIGHTS, NS_INDEX = "model.normswap.safetensors", "model.safetensors.index.normswap.json"
+
 
 def _state_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
@@ -36,11 +39,11 @@ def test_sharded_round_trip_is_bit_exact(tmp_path, dtype):
     model = tiny_model("gpt2", dtype=dtype)
     normswap.convert(model, method="exact", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m", max_shard_size="20kB")
-    index = json.loads((tmp_path / "m" / shards.INDEX).read_text())
+    index = json.loads((tmp_path / "m" / NS_INDEX).read_text())
     files = sorted(set(index["weight_map"].values()))
     n = len(files)
-    assert n >= 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert not (tmp_path / "m" / shards.WEIGHTS).exists()
+    assert n >= 3 and files == [f"model.normswap-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (tmp_path / "m" / NS_WEIGHTS).exists()
     # Every shard is a valid safetensors file of at most the limit (unless one tensor alone is bigger).
     total = 0
     for f in files:
@@ -62,8 +65,8 @@ def test_single_file_below_the_limit(tmp_path):
     model = tiny_model("gpt2")
     normswap.convert(model, method="exact", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m")  # default 50GB: one file, no index
-    assert (tmp_path / "m" / shards.WEIGHTS).exists() and not (tmp_path / "m" / shards.INDEX).exists()
-    ours = safetensors.torch.load_file(tmp_path / "m" / shards.WEIGHTS)
+    assert (tmp_path / "m" / NS_WEIGHTS).exists() and not (tmp_path / "m" / NS_INDEX).exists()
+    ours = safetensors.torch.load_file(tmp_path / "m" / NS_WEIGHTS)
     ref = model.state_dict()
     assert all(torch.equal(ours[k], ref[k]) for k in ours)
 
@@ -74,15 +77,15 @@ def test_reads_transformers_sharded_checkpoints(tmp_path):
     assert (tmp_path / "hf" / shards.INDEX).exists()
     loaded, _ = normswap.load_model(str(tmp_path / "hf"))
     _state_equal(loaded, model)
-    # A converted model saved sharded loads back bit-exact; saved by transformers itself (no checksum, old
-    # section format) it is refused with a clear line rather than trusted.
+    # A converted model saved sharded loads back bit-exact, saved by normswap or by its own save_pretrained
+    # (transformers' save path: the converted model's class completes the folder).
     normswap.convert(model, method="exact", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "ns", max_shard_size="20kB")
-    assert (tmp_path / "ns" / shards.INDEX).exists()
+    assert (tmp_path / "ns" / NS_INDEX).exists()
     _state_equal(normswap.from_pretrained(tmp_path / "ns"), model)
     model.save_pretrained(tmp_path / "hf2", max_shard_size="20kB")
-    with pytest.raises(NormswapError, match="checksum mismatch"):
-        normswap.from_pretrained(tmp_path / "hf2")
+    assert (tmp_path / "hf2" / NS_INDEX).exists()
+    _state_equal(normswap.from_pretrained(tmp_path / "hf2"), model)
 
 
 def test_transformers_reads_our_shards(tmp_path):
@@ -96,11 +99,11 @@ def test_broken_index_and_missing_shard_are_one_line_errors(tmp_path):
     model = tiny_model("gpt2")
     normswap.convert(model, method="naive", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m", max_shard_size="20kB")
-    first = sorted((tmp_path / "m").glob("model-*.safetensors"))[0]
+    first = sorted((tmp_path / "m").glob("model.normswap-*.safetensors"))[0]
     first.unlink()
     with pytest.raises(NormswapError, match="is missing"):
         normswap.from_pretrained(tmp_path / "m")
-    (tmp_path / "m" / shards.INDEX).write_text("{}")
+    (tmp_path / "m" / NS_INDEX).write_text("{}")
     with pytest.raises(NormswapError, match="not a safetensors index"):
         normswap.from_pretrained(tmp_path / "m")
 
@@ -114,7 +117,7 @@ def test_cli_max_shard_size(tmp_path):
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "exact",
                                     "-o", str(tmp_path / "out"), "--max-shard-size", "30kB", "--json"])
     assert run.exit_code == 0, run.output
-    assert len(set(json.loads((tmp_path / "out" / shards.INDEX).read_text())["weight_map"].values())) >= 2
+    assert len(set(json.loads((tmp_path / "out" / NS_INDEX).read_text())["weight_map"].values())) >= 2
     ref = tiny_model("gpt2")
     normswap.convert(ref, method="exact", to="rmsnorm")
     _state_equal(normswap.from_pretrained(tmp_path / "out"), ref)

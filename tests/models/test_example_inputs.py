@@ -46,6 +46,7 @@ def test_floating_inputs_take_the_models_dtype_integers_stay():
     ({0: torch.ones(1)}, "keys must be strings"),
     ((torch.ones(1, 4), torch.ones(1, 4), torch.ones(1, 4)), r"does not fit Two.forward\(x, y=None"),
     ({"z": torch.ones(1, 4)}, "missing a required argument: 'x'"),
+    ({"x": torch.empty(1, 4, device="meta")}, "batch 0 holds a tensor on the meta device"),   # issue 46 #5
 ])
 def test_a_bad_batch_is_one_line(bad, match):
     with pytest.raises(NormswapError, match=match) as e:

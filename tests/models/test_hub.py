@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import normswap
+from normswap.io.shipped import original_class
 import normswap.models.load
 import normswap.models.save
 from normswap.models.demo import DEMO_DIR
+from normswap.io import checksum
 from normswap.io import portable as template
 from normswap.models.hub import MODELING_FILE
 
@@ -140,7 +142,7 @@ def test_folder_layout(tmp_path):
     assert "import normswap" not in source and "from normswap" not in source
     # normswap reads the original type and class back; the section is unchanged by the rewrite.
     loaded = normswap.from_pretrained(tmp_path / "m")
-    assert type(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.model_type == "gpt2"
+    assert original_class(loaded).__name__ == "GPT2LMHeadModel" and loaded.config.model_type == "gpt2"
     assert loaded.config.normswap == config["normswap"]
     # Saving a loaded model again gives the same config.
     normswap.save_pretrained(loaded, tmp_path / "again")
@@ -172,15 +174,22 @@ def test_normswap_never_runs_the_modeling_file(tmp_path, monkeypatch):
     assert prompts == []
 
 
-def test_old_layout_still_loads(tmp_path, monkeypatch):
+def test_old_layout_still_loads(tmp_path):
+    """A format 2 folder, as normswap wrote them before modeling files and fingerprints: model_type of the original,
+    no auto_map, model.safetensors: normswap still rebuilds it (with a warning: nothing to check it against)."""
     model = tiny_model("opt")
     normswap.convert(model, method="exact")
-    monkeypatch.setattr(normswap.models.save, "make_self_describing", lambda folder, model: None)  # today's layout
     normswap.save_pretrained(model, tmp_path / "old")
     config = json.loads((tmp_path / "old" / "config.json").read_text())
-    assert config["model_type"] == "opt" and "auto_map" not in config
+    (tmp_path / "old" / "model.normswap.safetensors").rename(tmp_path / "old" / "model.safetensors")
+    (tmp_path / "old" / MODELING_FILE).unlink()
+    section = {k: v for k, v in config["normswap"].items() if k not in ("fingerprint", "checksum")}
+    section = {**section, "format": 2}
+    config = {**{k: v for k, v in config.items() if k != "auto_map"}, "model_type": "opt", "normswap": section}
+    config["normswap"]["checksum"] = checksum.checksum(section, tmp_path / "old")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(config))
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="no fingerprint to check this model against"):
         assert torch.equal(normswap.from_pretrained(tmp_path / "old")(ids).logits, model(ids).logits)
         assert torch.equal(normswap.load_model(str(tmp_path / "old"))[0](ids).logits, model(ids).logits)
 

@@ -50,7 +50,7 @@ def test_tensors_on_disk_are_named_as_transformers_saves_them(tmp_path, name):
     normswap.convert(model, to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "ours")
     tf.PreTrainedModel.save_pretrained(model, tmp_path / "theirs")
-    ours = safetensors.torch.load_file(tmp_path / "ours" / "model.safetensors")
+    ours = safetensors.torch.load_file(tmp_path / "ours" / "model.normswap.safetensors")
     theirs = safetensors.torch.load_file(tmp_path / "theirs" / "model.safetensors")
     assert sorted(ours) == sorted(theirs)
     section = json.loads((tmp_path / "ours" / "config.json").read_text())["normswap"]
@@ -73,7 +73,7 @@ def test_gpt_neox_folder_rebuilds_with_transformers_4_names(neox):
     v4 = GPTNeoX4(tf.GPTNeoXConfig.from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "model_type")}))
     assert "lm_head" not in dict(v4.named_modules())
     portable.rebuild(v4, raw["normswap"], "m")
-    v4.load_state_dict(safetensors.torch.load_file(folder / "model.safetensors"), strict=True)
+    v4.load_state_dict(safetensors.torch.load_file(folder / "model.normswap.safetensors"), strict=True)
     with torch.no_grad():
         got = v4.eval()(IDS)
     assert ((got - expected).abs().max() / expected.abs().max()) <= 1e-5

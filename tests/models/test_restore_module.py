@@ -63,7 +63,7 @@ def test_restore_is_bit_identical(saved, case):
     assert fresh.normswap_section == json.loads(json.dumps(model.normswap_section))
     state, restored = model.state_dict(), fresh.state_dict()
     assert state.keys() == restored.keys() and all(torch.equal(state[k], restored[k]) for k in state)
-    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "normswap.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["model.normswap.safetensors", "normswap.json"]
 
 
 def test_restore_rebuilds_the_recorded_structure(saved):
@@ -74,7 +74,7 @@ def test_restore_rebuilds_the_recorded_structure(saved):
     assert isinstance(enc.norm, RMSNorm) and enc.norm.eps == 1e-5
     assert torch.equal(enc.norm.normswap_bias, saved["final_norm_out"][0].norm.normswap_bias)
     record = json.loads((saved["final_norm_out"][1] / "normswap.json").read_text())
-    assert record["format"] == 2 and record["base"]["architecture"].endswith("restore_models.Encoder")
+    assert record["format"] == 4 and record["base"]["architecture"].endswith("restore_models.Encoder")
     assert record["output_fixes"] == {"norm": {"centre": False, "bias": 16}}
 
 
@@ -82,7 +82,7 @@ def test_prmsnorm_and_sharded_weights(tmp_path):
     model = built(Encoder)
     normswap.convert(model, to="prmsnorm", p=0.5, method="naive")
     normswap.save_pretrained(model, tmp_path / "m", max_shard_size=2000)
-    assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "m" / "model.safetensors.index.normswap.json").is_file()
     fresh = normswap.restore(built(Encoder, 9), tmp_path / "m")
     assert isinstance(fresh.norm, PartialRMSNorm) and fresh.norm.p == 0.5
     x = features(3, 6, 2)
@@ -125,7 +125,7 @@ def test_edited_record_or_swapped_weights_are_refused(saved, tmp_path):
     record["norms"]["norm"]["eps"] = 1e-3
     (folder / "normswap.json").write_text(json.dumps(record))
     assert "edited after normswap saved it" in one_line_error(lambda: normswap.restore(built(Encoder), folder))
-    shutil.copy(saved["tied"][1] / "model.safetensors", folder / "model.safetensors")
+    shutil.copy(saved["tied"][1] / "model.normswap.safetensors", folder / "model.normswap.safetensors")
     shutil.copy(saved["final_norm_out"][1] / "normswap.json", folder / "normswap.json")
     assert "weights are not the ones saved" in one_line_error(lambda: normswap.restore(built(Encoder), folder))
     (folder / "normswap.json").write_text("{not json")
@@ -160,3 +160,39 @@ def test_overwrite_rules_as_for_hf_folders(tmp_path):
     (other / "normswap.json").write_text('{"format": 2}')   # not a record normswap writes
     assert "was not written by normswap" in one_line_error(
         lambda: normswap.save_pretrained(model, other, overwrite=True))
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "3", '"normswap"'])
+def test_a_record_that_is_not_a_json_object_is_refused(saved, tmp_path, content):
+    """Issue 46 #5: `[]` or `null` gave AttributeError."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(saved["final_norm_out"][1], folder)
+    (folder / "normswap.json").write_text(content)
+    msg = one_line_error(lambda: normswap.restore(built(Encoder), folder))
+    assert msg == f"{folder / 'normswap.json'} is not a normswap record (a JSON object): it holds {content}"
+
+
+class UntiedLM(TiedLM):
+    """TiedLM with a head of its own (other values than the embedding's)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.head.weight = torch.nn.Parameter(torch.randn_like(self.wte.weight))
+
+
+def test_a_model_that_ties_what_the_folder_stores_apart_is_refused(tmp_path):
+    """Issue 46 #5: restoring an untied save onto a tied model loaded both tensors into its one shared parameter
+    (rel 0.96-1.58). The other way round, the folder stores the tied tensor once: the untied head is missing."""
+    for cls in (UntiedLM, TiedLM):
+        model = built(cls)
+        normswap.convert(model, method="naive")
+        normswap.save_pretrained(model, tmp_path / cls.__name__)
+    msg = one_line_error(lambda: normswap.restore(built(TiedLM, 1), tmp_path / "UntiedLM"))
+    assert "this model ties wte.weight and head.weight (one tensor), which the folder stores as different" in msg
+    assert "missing head.weight" in one_line_error(lambda: normswap.restore(built(UntiedLM, 1), tmp_path / "TiedLM"))
+    for cls in (UntiedLM, TiedLM):   # each onto its own kind: the saved model
+        fresh, x = normswap.restore(built(cls, 1), tmp_path / cls.__name__), tokens(37)(2, 6, 0)
+        saved_model = built(cls)
+        normswap.convert(saved_model, method="naive")
+        assert torch.equal(run(fresh, x), run(saved_model, x))

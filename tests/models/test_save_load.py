@@ -38,7 +38,7 @@ def test_layout_is_safetensors_with_normswap_section(tmp_path):
     normswap.convert(model, method="naive", to="rmsnorm")
     normswap.save_pretrained(model, tmp_path / "m")
     files = sorted(p.name for p in (tmp_path / "m").iterdir())
-    assert "model.safetensors" in files and "config.json" in files
+    assert "model.normswap.safetensors" in files and "config.json" in files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert config["architectures"] == ["NormswapGPT2LMHeadModel"]  # the generated class (test_hub.py)
@@ -47,7 +47,7 @@ def test_layout_is_safetensors_with_normswap_section(tmp_path):
         "transformer.ln_f"}
     assert config["normswap"]["conversions"][0]["method"] == "naive"
     # The tied LM head is stored once and comes back tied.
-    keys = safetensors.torch.load_file(tmp_path / "m" / "model.safetensors").keys()
+    keys = safetensors.torch.load_file(tmp_path / "m" / "model.normswap.safetensors").keys()
     assert ("lm_head.weight" in keys) != ("transformer.wte.weight" in keys)
     loaded = normswap.from_pretrained(tmp_path / "m")
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
@@ -75,7 +75,7 @@ def test_existing_output_needs_overwrite_and_is_kept(tmp_path):
     with pytest.raises(NormswapError, match="not written by normswap"):  # not ours: needs "any"
         normswap.save_pretrained(model, out, overwrite=True)
     normswap.save_pretrained(model, out, overwrite="any")
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert not (out / "keep.txt").exists() and (out / "model.normswap.safetensors").exists()
 
 
 def test_failed_save_leaves_old_output_and_no_temp(tmp_path, monkeypatch):

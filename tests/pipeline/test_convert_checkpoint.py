@@ -17,6 +17,7 @@ from normswap.pipeline import ConvertOptions, convert_checkpoint, stream
 
 from helpers.cli import one_error_line, run
 from helpers.exact_models import perturb
+from helpers.heal_models import save_pair, text, tokenizer
 from helpers.tiny import tiny_model
 
 EXACT = ConvertOptions(method="exact", device="cpu")   # a local safetensors folder on the CPU: streamed
@@ -109,7 +110,7 @@ def test_nothing_to_convert_writes_nothing(folders, tmp_path, options, streamed)
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(finetune_steps=2), "finetune_steps needs data: plain text files to distil on"),
+    (dict(finetune_steps=2, method="naive"), "finetune_steps needs data: plain text files to distil on"),
     (dict(data=("train.txt",)), "data is used only with finetune_steps"),
     (dict(max_shard_size="0B"), "bad shard size"),
 ])
@@ -117,3 +118,22 @@ def test_wrong_options_are_refused_before_anything(gpt2_dir, tmp_path, changes, 
     with pytest.raises(NormswapError, match=re.escape(message)):
         convert_checkpoint(str(gpt2_dir), tmp_path / "o", dataclasses.replace(EXACT, **changes))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_healing_a_conversion_that_kept_the_outputs_is_refused_or_skipped(tmp_path):
+    """Issue 46 #5: `convert --method exact --finetune-steps N` healed an exact model and saved a worse one
+    (3.5e-7 -> 2.3e-3). Asked for up front, it is refused; where `auto` ends exact, the heal is skipped, saying
+    so; a pRMSNorm (approximate even under exact) is still healed."""
+    d = save_pair(tmp_path, tokenizer(), text(600))
+    src, heal = str(d / "orig"), dict(finetune_steps=2, data=(str(d / "train.txt"),), device="cpu")
+    with pytest.raises(NormswapError, match=re.escape("method='exact' keeps the original's outputs")):
+        convert_checkpoint(src, tmp_path / "o", ConvertOptions(method="exact", **heal))
+    line = one_error_line(run("convert", src, "--to", "rmsnorm", "--method", "exact", "--finetune-steps", 2,
+                              "--data", d / "train.txt", "-o", tmp_path / "o"))
+    assert "--finetune-steps heals a model the conversion changed, and --method exact keeps" in line
+    assert not (tmp_path / "o").exists()
+    result = convert_checkpoint(src, tmp_path / "auto", ConvertOptions(**heal))
+    assert result.report.method == "exact" and result.healed is None and result.parity.max_rel < 1e-5
+    assert any("`finetune_steps` was not used" in n for n in result.notices) and (tmp_path / "auto").is_dir()
+    partial = convert_checkpoint(src, tmp_path / "p", ConvertOptions(method="exact", to="prmsnorm", **heal))
+    assert partial.healed is not None and partial.healed.steps_done == 2

@@ -32,7 +32,8 @@ def test_examples_are_run_and_leave_the_weights_as_without(tmp_path, src, stream
     good = [torch.randint(0, 101, (2, 9)), {"input_ids": torch.randint(0, 101, (1, 3))}]
     with_examples = normswap.convert_checkpoint(src, tmp_path / "ex", replace(o, example_inputs=good))
     assert plain.streamed is with_examples.streamed is streamed
-    assert snapshot(tmp_path / "plain")["model.safetensors"] == snapshot(tmp_path / "ex")["model.safetensors"]
+    weights = "model.normswap.safetensors"
+    assert snapshot(tmp_path / "plain")[weights] == snapshot(tmp_path / "ex")[weights]
     with pytest.raises(NormswapError, match="IndexError|index out of range"):
         normswap.convert_checkpoint(src, tmp_path / "bad", replace(o, example_inputs=torch.full((1, 4), 5000)))
     assert not (tmp_path / "bad").exists()
@@ -51,3 +52,17 @@ def test_cli_inputs_file(tmp_path, src):
     line = one_error_line(run("convert", src, "--to", "rmsnorm", "--method", "exact", "--inputs", tmp_path / "far.pt",
                               "-o", tmp_path / "o3"))
     assert "IndexError" in line and not (tmp_path / "o3").exists()
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_batch_of_the_users_that_fails_is_called_theirs(tmp_path, src, streamed):
+    """Issue 46 #5: examples the model fails on were blamed on "the sample inputs normswap built"."""
+    far = [torch.randint(0, 101, (2, 5)), {"input_ids": torch.full((1, 4), 5000)}]
+    o = normswap.ConvertOptions(example_inputs=far, load=normswap.LoadOptions(allow_missing_weights=not streamed))
+    with pytest.raises(NormswapError) as e:
+        normswap.convert_checkpoint(src, tmp_path / "o", o)
+    assert str(e.value).startswith("GPT2LMHeadModel fails on your example_inputs batch 1 (IndexError: ")
+    assert not (tmp_path / "o").exists()
+    torch.save({"input_ids": torch.full((1, 3), 999)}, tmp_path / "far.pt")
+    line = one_error_line(run("convert", src, "--to", "rmsnorm", "--inputs", tmp_path / "far.pt", "-o", tmp_path / "o"))
+    assert line.startswith("error: GPT2LMHeadModel fails on your --inputs batch 0 (IndexError: ")

@@ -63,3 +63,24 @@ def test_an_encoder_and_an_empty_prompt_are_one_line_errors(tmp_path, converted)
         "error: the prompt is empty: give some text to continue"
     with pytest.raises(NormswapError, match="max_new_tokens"):
         generate_checkpoint(str(converted[0]), PROMPT, GenerateOptions(max_new_tokens=0))
+
+
+def test_the_context_window_bounds_the_prompt_and_the_continuation(converted):
+    """Issue 46 #5: past the window (64 positions here) generate failed with IndexError."""
+    out, tok = converted
+    n = len(tok(PROMPT)["input_ids"])
+    with pytest.warns(UserWarning, match=f"reads at most 64 tokens .*: generating {64 - n} new tokens after the "
+                                         f"prompt's {n}, not 100"):
+        result = generate_checkpoint(str(out), PROMPT, GenerateOptions(max_new_tokens=100, device="cpu"))
+    assert 0 < len(result.new_ids) <= 64 - n
+    long = " ".join([PROMPT] * 20)
+    line = one_error_line(run("generate", out, long, "--device", "cpu"))
+    assert line == f"error: the prompt is {len(tok(long)['input_ids'])} tokens and {out} reads at most 64 (its " \
+                   "context window): shorten the prompt"
+
+
+def test_a_prompt_that_is_not_utf8_is_a_one_line_error(converted):
+    """Issue 46 #5: bytes that are not UTF-8 on the command line (kept by Python as lone surrogates) gave
+    TypeError from the tokenizer."""
+    line = one_error_line(run("generate", converted[0], "caf\udce9 au lait", "--device", "cpu"))
+    assert line == "error: the prompt is not valid UTF-8 text (position 3): give it as UTF-8"

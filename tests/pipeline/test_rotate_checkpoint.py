@@ -48,7 +48,7 @@ def test_a_rotated_folder_with_a_matrix_fix_reloads_in_normswap_and_plain_transf
         assert result.report.untied == ["lm_head.weight", "model.encoder.embed_tokens.weight",
                                         "model.decoder.embed_tokens.weight"]
     section = json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]
-    assert section["format"] == 3 and section["output_fixes"][norm]["matrix"] == 32
+    assert section["format"] == 4 and section["output_fixes"][norm]["matrix"] == 32
     plain, info = getattr(tf, auto).from_pretrained(tmp_path / "r", trust_remote_code=True, output_loading_info=True)
     assert not info["missing_keys"] and type(plain).__name__.startswith("Normswap")
     for loaded in (normswap.from_pretrained(tmp_path / "r"), plain.eval()):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.exact_models import FAMILIES, perturb
+from helpers.folders import same_fingerprint, split_config
 from click.testing import CliRunner
 
 import normswap
@@ -20,6 +21,8 @@ from normswap.checkpoint.lazy import NotStreamable
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact
+
+NS_INDEX = "model.safetensors.index.normswap.json"   # a converted folder's weights: the "normswap" variant
 
 
 def _save_family(fam: str, path: Path, dtype=torch.float32, shard="20kB") -> None:
@@ -33,10 +36,11 @@ def _same_tensors(a: Path, b: Path) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
-    ca, cb = json.loads((a / "config.json").read_text()), json.loads((b / "config.json").read_text())
-    # the same section; the weights checksum covers each folder's own file layout (shards or one file)
-    assert ca["normswap"].pop("checksum")["section"] == cb["normswap"].pop("checksum")["section"]
+    # the same section (the fingerprint's digest within its tolerance; the weights checksum covers each folder's
+    # own file layout, shards or one file)
+    (ca, fa), (cb, fb) = split_config(a), split_config(b)
     assert ca == cb
+    same_fingerprint(fa, fb)
 
 
 @pytest.mark.parametrize("fam,dtype,method", [("gpt2", torch.float32, "exact"), ("opt-project", torch.float32, "auto"),
@@ -54,7 +58,7 @@ def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype
     mem_report = normswap.convert(model, method=method)
     normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")   # keeps SRC's files, as streaming
     report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method, max_shard_size="20kB")
-    assert len(set(json.loads((tmp_path / "out" / shards.INDEX).read_text())["weight_map"].values())) >= 3
+    assert len(set(json.loads((tmp_path / "out" / NS_INDEX).read_text())["weight_map"].values())) >= 3
     _same_tensors(tmp_path / "out", tmp_path / "mem")
     assert [dataclasses.asdict(r) for r in report.converted] == [dataclasses.asdict(r) for r in mem_report.converted]
     assert report.added_biases == mem_report.added_biases and report.method == mem_report.method
@@ -89,7 +93,7 @@ def test_cli_streams_folders_and_keeps_errors_one_line(tmp_path):
     assert run.exit_code == 0, run.output
     out = json.loads(run.output)
     assert out["report"]["verification"]["max_rel"] < 1e-4 and out["parity"]["kl"] < 1e-9
-    assert (tmp_path / "out" / shards.INDEX).exists()
+    assert (tmp_path / "out" / NS_INDEX).exists()
     model, _ = normswap.load_model(str(tmp_path / "src"))
     normswap.convert(model, method="exact")
     normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
@@ -125,7 +129,7 @@ def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     peak = int(run.stdout.split()[-1])
-    assert len(list((tmp_path / "out").glob("model-*.safetensors"))) >= 5
+    assert len(list((tmp_path / "out").glob("model.normswap-*.safetensors"))) >= 5
     assert peak < size / 2, (peak, size)
 
 

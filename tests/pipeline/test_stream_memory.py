@@ -50,7 +50,7 @@ def streamed_peak(tmp_path: Path) -> tuple[int, int]:
                                                                   tmp_path / "out"))],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "out" / shards.WEIGHTS).exists()
+    assert (tmp_path / "out" / shards.weights_names(tmp_path / "out")[0]).exists()
     return int(run.stdout.split()[-1]), size
 
 

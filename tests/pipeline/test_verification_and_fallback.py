@@ -4,16 +4,19 @@ after its edits falls back to naive under `auto` the same way, with the same war
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
+from normswap.errors import FellBackToNaive
 from normswap.models.load import LoadOptions
 from normswap.pipeline import ConvertOptions, convert_checkpoint
 from normswap.surgery import verification
 from normswap.surgery.exact import fell_back
 from normswap.surgery.interpret import ExactResult, Recorder
 
+from helpers.cli import run
 from helpers.tiny import tiny_model
 
 STREAMED = ConvertOptions(method="auto", device="cpu")   # a local safetensors folder on the CPU: streamed
@@ -54,10 +57,25 @@ def test_a_failed_verification_falls_back_to_naive_alike_streamed_and_in_memory(
     for name, o in (("streamed", STREAMED), ("in-memory", IN_MEMORY)):
         with pytest.raises(verification.VerificationFailed, match=r"max relative .* > -1 \(float16\); nothing was"):
             convert_checkpoint(str(src), tmp_path / f"{name}-exact", dataclasses.replace(o, method="exact"))
-        result = convert_checkpoint(str(src), tmp_path / name, o)
+        with pytest.warns(FellBackToNaive):
+            result = convert_checkpoint(str(src), tmp_path / name, o)
         assert result.streamed is (o is STREAMED) and result.report.method == "naive"
         assert result.report.warnings[-1].startswith("no exact conversion: exact conversion failed verification: "
                                                      "max relative ")
         assert result.report.warnings[-1].endswith(tail) and result.report.warnings.count(
             result.report.warnings[-1]) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in-memory", "streamed"]
+
+
+def test_each_fallback_is_one_python_warning_and_one_cli_line(src, tmp_path, monkeypatch):
+    """Issue 46 #5: `auto`'s fallback was only in the report; now also a `FellBackToNaive` warning, once per
+    fallback, streamed and in memory; the CLI, which prints the report's warnings, prints it once."""
+    monkeypatch.setitem(verification.TOLERANCE, torch.float16, -1.0)
+    for name, o in (("streamed", STREAMED), ("in-memory", IN_MEMORY)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result = convert_checkpoint(str(src), tmp_path / name, o)
+        fell = [str(w.message) for w in seen if issubclass(w.category, FellBackToNaive)]
+        assert fell == [result.report.warnings[-1]] and result.report.method == "naive"
+    r = run("convert", src, "--to", "rmsnorm", "-o", tmp_path / "cli", "--json")
+    assert r.exit_code == 0 and r.stderr.count("fell back to naive") == 1, r.stderr

@@ -1,6 +1,7 @@
 """`normswap.convert` (method naive): what is replaced, what is kept, what the report says."""
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -8,11 +9,13 @@ from torch import nn
 
 import normswap
 from normswap import PartialRMSNorm, RMSNorm
-from normswap.errors import NormswapError
+from normswap.errors import FellBackToNaive, NormswapError
 from normswap.models.inputs import sample_inputs
 from normswap.parity import compare
 
+from helpers.restore_models import Encoder, built
 from helpers.tiny import count_layernorms, tiny_model
+from helpers.user_models import gpt
 
 
 def layernorms(model):
@@ -166,6 +169,100 @@ def test_default_method_is_auto():
     assert normswap.convert(exact).method == "exact"
     assert compare(original, exact).max_rel < 1e-5
     bert = tiny_model("bert")
-    report = normswap.convert(bert)
+    with pytest.warns(FellBackToNaive):
+        report = normswap.convert(bert)
     assert report.method == "naive" and {r.bias for r in report.converted} == {"dropped"}
     assert any("post-LN" in w or "naive" in w for w in report.warnings)
+
+
+def _fell_back(model, **kw):
+    """The FellBackToNaive warnings `normswap.convert(model, **kw)` raised (every warning recorded), its report."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        report = normswap.convert(model, **kw)
+    return [w for w in seen if issubclass(w.category, FellBackToNaive)], report
+
+
+@pytest.mark.parametrize("case", ["no_examples", "bad_batch", "post_ln"])
+def test_auto_falling_back_to_naive_warns_where_the_caller_sees_it(case):
+    """Issue 46 #5: the reason was only in report.warnings; now a Python warning of its own class, from the
+    caller's line, says the same."""
+    model, examples = {"no_examples": (gpt(), None), "post_ln": (tiny_model("bert"), None),
+                       "bad_batch": (gpt(), [torch.randint(0, 61, (2, 8)), torch.randint(0, 61, (2, 99))])}[case]
+    seen, report = _fell_back(model, example_inputs=examples)
+    assert report.method == "naive" and len(seen) == 1
+    assert str(seen[0].message) == report.warnings[-1] and "fell back to naive" in report.warnings[-1]
+    assert seen[0].filename == __file__   # attributed to the caller's line, not to normswap's
+
+
+def test_an_exact_conversion_and_method_naive_raise_no_fallback_warning():
+    for method, model in (("auto", tiny_model("gpt2")), ("naive", tiny_model("bert"))):
+        assert _fell_back(model, method=method)[0] == []
+
+
+def _wrapped(kind: str, model: nn.Module) -> nn.Module:
+    if kind == "dataparallel":
+        return nn.DataParallel(model)   # without GPUs it runs its module
+    return torch.compile(model, backend="eager")   # dynamo's guards and recompiles, without a compiler
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("kind", ["dataparallel", "compiled", "compiled_dataparallel"])
+def test_a_wrapped_model_is_converted_inside_its_wrapper_which_then_runs_it(kind):
+    """Issue 46 #5: DataParallel (rel 0.16) and torch.compile (0.41) fell back to naive in silence. Now auto is
+    exact inside the wrapper; and the wrapper runs the converted module (a naive swap, which changes the outputs,
+    shows it: a compiled graph of the original would give the original's)."""
+    x = torch.randint(0, 97, (2, 9))
+    for method in ("auto", "naive"):
+        inner = tiny_model("gpt2")
+        original = copy.deepcopy(inner)
+        wrapper = _wrapped("compiled", nn.DataParallel(inner)) if kind == "compiled_dataparallel" else \
+            _wrapped(kind, inner)
+        with torch.no_grad():
+            wrapper(input_ids=x)   # compiled before the conversion: it must compile again after
+            seen, report = _fell_back(wrapper, method=method)
+            got, own, want = (m(input_ids=x).logits for m in (wrapper, inner, original))
+        assert seen == [] and report.method == ("exact" if method == "auto" else "naive")
+        assert count_layernorms(inner) == 0 and _rel(got, own) < 1e-6
+        assert _rel(got, want) < 1e-5 if method == "auto" else _rel(got, want) > 0.05
+
+
+def test_a_distributed_data_parallel_model_is_refused_saying_to_convert_first(tmp_path):
+    """DDP registered its parameters when it was built: the conversion's new ones would not be synchronised."""
+    dist = torch.distributed
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model("gpt2")
+        with pytest.raises(NormswapError, match="convert the model first, then wrap it"):
+            normswap.convert(nn.parallel.DistributedDataParallel(model))
+        assert count_layernorms(model) == 5
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["exact", "naive"])
+def test_a_frozen_model_stays_frozen(method):
+    """Issue 46 #5: the new norm gains and added biases came back trainable."""
+    model = tiny_model("gpt2").requires_grad_(False)
+    report = normswap.convert(model, method=method)
+    assert report.method == method and report.num_converted == 5
+    assert method == "naive" or report.added_biases   # the exact one adds a bias too
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == []
+
+
+def test_new_parameters_follow_what_they_replace_or_are_added_to():
+    """A frozen block's new norm gains stay frozen, a trainable one's train; an added bias follows its layer,
+    an output fix's bias (a returned final norm keeps its bias after it) its norm's."""
+    model = tiny_model("gpt2")
+    model.transformer.h[0].requires_grad_(False)
+    normswap.convert(model, method="exact")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"transformer.h.0.ln_1.weight", "transformer.h.0.ln_2.weight"}.isdisjoint(trainable)
+    assert {"transformer.h.1.ln_1.weight", "transformer.h.1.ln_2.weight", "lm_head.bias"} <= trainable
+    encoder = built(Encoder)
+    encoder.norm.requires_grad_(False)
+    normswap.convert(encoder, method="exact", example_inputs=torch.randn(2, 5, 12))
+    assert encoder.norm.normswap_bias.requires_grad is False and encoder.proj.bias.requires_grad

@@ -349,3 +349,18 @@ def test_clip_rotates_with_its_vision_pre_norm_writing_the_stream():
         ref, out = original(**x), model(**x)
     for key in ("text_embeds", "image_embeds", "logits_per_image"):
         assert ((out[key] - ref[key]).abs().max() / ref[key].abs().max()).item() < 1e-5, key
+
+
+def test_a_compiled_model_rotates_inside_its_wrapper_and_frozen_stays_frozen():
+    """As `convert` (issue 46 #5): a torch.compile'd model failed with "does not support len()"; the d x d
+    matrix a returned norm's output fix gets trains only where its norm did."""
+    model, before = _converted(build("gpt2-headless"))
+    model.requires_grad_(False)
+    wrapper = torch.compile(model, backend="eager")
+    report = rotate(wrapper)
+    assert report.verification["max_rel"] <= 1e-4 and model.ln_f.normswap_matrix.requires_grad is False
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == []
+    batch = padded_batches()[0]
+    with torch.no_grad():
+        got, want = wrapper(**batch).last_hidden_state, before(**batch).last_hidden_state
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5

@@ -17,10 +17,20 @@ from normswap.errors import NormswapError, first_line
 from normswap.io.batches import read_batches
 from normswap.models.section import has_config
 from normswap.models.inputs import sample_inputs
+from normswap.io.shipped import original_class
 
 Batch = torch.Tensor | tuple | dict
 HOW = ("pass `example_inputs`: a batch of what its forward takes (a tensor, a tuple of positional arguments or "
        "a dict of keyword arguments), or a list of batches")
+
+
+class Example(dict):
+    """One batch of the user's `example_inputs`, bound to the forward's arguments (a dict of them, as normswap's
+    own samples are); `index`: its place among the user's batches, so that a failure on it is called theirs."""
+
+    def __init__(self, arguments: dict, index: int):
+        super().__init__(arguments)
+        self.index = index
 
 
 class NoInputs(NormswapError):
@@ -69,6 +79,9 @@ def check_batch(batch, i: int) -> str:
         raise NormswapError(f"{where}: a dict batch is keyword arguments, so its keys must be strings")
     if not _tensors(batch):
         raise NormswapError(f"{where} holds no tensor")
+    if any(t.is_meta for t in _tensors(batch)):
+        raise NormswapError(f"{where} holds a tensor on the meta device, which has a shape but no values: give "
+                            "tensors with values")
     return where
 
 
@@ -81,14 +94,15 @@ def bind(model, batch: Batch, i: int = 0) -> dict:
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as e:
-        raise NormswapError(f"{where} does not fit {type(model).__name__}.forward{sig}: {first_line(e)}") from None
+        name = original_class(model).__name__
+        raise NormswapError(f"{where} does not fit {name}.forward{sig}: {first_line(e)}") from None
     out = {}
     for name, value in bound.arguments.items():
         kind = sig.parameters[name].kind
         if kind == inspect.Parameter.VAR_KEYWORD:
             out.update(value)
         elif kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.POSITIONAL_ONLY):
-            raise NormswapError(f"{where}: {type(model).__name__}.forward takes `{name}` only by position "
+            raise NormswapError(f"{where}: {original_class(model).__name__}.forward takes `{name}` only by position "
                                 "(*args or positional-only), which normswap cannot pass by name: wrap the model "
                                 "in a module whose forward names its inputs")
         else:
@@ -96,13 +110,13 @@ def bind(model, batch: Batch, i: int = 0) -> dict:
     return out
 
 
-def as_batches(model, example_inputs) -> list[dict]:
+def as_batches(model, example_inputs) -> list[Example]:
     """The user's `example_inputs` bound to `model.forward`, on the model's device, floating tensors in its
     dtype."""
     ref = next((p for p in model.parameters() if p.is_floating_point()), None)
     device = ref.device if ref is not None else torch.device("cpu")
     dtype = ref.dtype if ref is not None else torch.float32
-    return [_placed(bind(model, b, i), device, dtype) for i, b in enumerate(batches_of(example_inputs))]
+    return [Example(_placed(bind(model, b, i), device, dtype), i) for i, b in enumerate(batches_of(example_inputs))]
 
 
 def model_inputs(model, example_inputs=None) -> list[dict]:
