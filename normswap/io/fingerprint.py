@@ -127,19 +127,20 @@ def exact_matmuls():
 
 
 def run_probe(model: nn.Module, probe: dict, seed: int = 0):
-    """The model's output on the probe: eval mode (restored after), no gradients, the random generator seeded
+    """The model's output on the probe: eval mode (every module's flag restored after), no gradients, the random generator seeded
     (and restored), no TF32."""
     device, dtype = placement(model)
     args, kwargs = decode(probe["args"], device, dtype), decode(probe["kwargs"], device, dtype)
     devices = [device.index or 0] if device.type == "cuda" else []
-    training = model.training
+    flags = [(m, m.training) for m in model.modules()]   # each module's own, not one for the subtree (train())
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices), exact_matmuls():
             torch.manual_seed(seed)
             return model(*args, **kwargs)
     finally:
-        model.train(training)
+        for m, training in flags:
+            m.training = training
 
 
 def top_level(out) -> list[tuple[str, torch.Tensor]]:

@@ -101,6 +101,12 @@ def test_probe_runs_in_eval_without_grad_and_restores_the_mode():
     torch.manual_seed(5)
     found = fp.record(model, probe)
     assert model.training and "outputs" in found and torch.equal(torch.rand(1), before)   # the caller's RNG intact
+    # each module's own flag, not one for the whole model: a frozen part left in eval stays there
+    first = next(m for m in model.modules() if m is not model)
+    first.eval()
+    flags = {n: m.training for n, m in model.named_modules()}
+    fp.record(model, probe)
+    assert {n: m.training for n, m in model.named_modules()} == flags and not first.training
 
 
 def converted_module(cls=TiedLM, **kw):
