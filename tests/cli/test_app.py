@@ -19,7 +19,7 @@ from helpers.cli import one_error_line, run
 def test_errors_are_one_line_whatever_the_message(monkeypatch, exc, line):
     def fail(*a, **k):
         raise exc
-    monkeypatch.setattr(convert_cli, "inspect_checkpoint", fail)
+    monkeypatch.setattr(convert_cli.verbs, "inspect", fail)
     assert one_error_line(run("inspect", "normswap-demo")) == line
 
 
@@ -39,7 +39,7 @@ def test_an_error_stays_one_line_when_naming_its_flags_runs_out_of_memory(monkey
 
     def no_memory(self):
         raise MemoryError()
-    monkeypatch.setattr(convert_cli, "inspect_checkpoint", fail)
+    monkeypatch.setattr(convert_cli.verbs, "inspect", fail)
     monkeypatch.setattr(Group, "flag_names", no_memory)
     assert one_error_line(run("inspect", "normswap-demo")) == \
         "error: cannot load model from x: Cannot allocate memory (os error 12)"

@@ -33,7 +33,7 @@ def test_convert_local_folder(gpt2_dir, tmp_path):
     assert "transformer.ln_f" in result.output
     assert "parity vs original (" in result.output and "KL" in result.output
     assert f"worst of 5 outputs: logits, {CACHE}[4]): max |Δ|" in result.output
-    loaded = normswap.from_pretrained(out)
+    loaded = normswap.load(out)[0]
     assert len(loaded.config.normswap["norms"]) == 5
 
 

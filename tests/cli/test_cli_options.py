@@ -50,8 +50,8 @@ def test_fallback_warning_goes_to_stderr(tmp_path):
 
     import normswap
     torch.manual_seed(0)
-    normswap.save_pretrained(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                  num_attention_heads=2, intermediate_size=32)), tmp_path / "b")
+    normswap.save(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=32)), tmp_path / "b")
     r = _run("convert", tmp_path / "b", "--to", "rmsnorm", "-o", tmp_path / "o", "--json")
     assert r.exit_code == 0, r.output
     json.loads(r.stdout)  # stdout stays one JSON object

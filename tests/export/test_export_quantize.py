@@ -122,6 +122,6 @@ def test_bad_combinations_are_one_line(tmp_path):
                                                                "int4"), code=2)
     with pytest.raises(NormswapError, match="unknown quantization 'int4': choose int8"):
         normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int4")
-    with pytest.raises(NormswapError, match="leave out fp16=True"):
-        normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int8", fp16=True)
+    with pytest.raises(NormswapError, match="leave out dtype='fp16'"):
+        normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int8", dtype="fp16")
     assert list(tmp_path.iterdir()) == []
