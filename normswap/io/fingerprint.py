@@ -127,8 +127,8 @@ def exact_matmuls():
 
 
 def run_probe(model: nn.Module, probe: dict, seed: int = 0):
-    """The model's output on the probe: eval mode (every module's flag restored after), no gradients, the random generator seeded
-    (and restored), no TF32."""
+    """The model's output on the probe: eval mode (every module's flag restored after), no gradients, the random
+    generator seeded (and restored), no TF32."""
     device, dtype = placement(model)
     args, kwargs = decode(probe["args"], device, dtype), decode(probe["kwargs"], device, dtype)
     devices = [device.index or 0] if device.type == "cuda" else []
