@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(VENV)/bin/normswap convert normswap-demo --to rmsnorm -o $(DEMO_OUT) --overwrite
 
-# transformers 4.x beside .venv's 5.x, for the cross-version check (tests/models/test_shipped.py run again with
+# transformers 4.x beside .venv's 5.x, for the cross-version check (tests/folder/test_shipped.py run again with
 # NORMSWAP_PLAIN_PYTHON: folders written under 5.x load the same model in 4.57). A small venv of its own: no pip
 # (.venv's pip installs into it), everything but transformers and the versions it needs read from .venv's
 # site-packages through a .pth file, so torch is not installed twice.
@@ -49,7 +49,7 @@ $(TF4_STAMP): $(STAMP)
 test: lint $(TF4_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 	NORMSWAP_PLAIN_PYTHON=$(abspath $(TF4))/bin/python TRITON_INTERPRET=1 $(PY) -m pytest -q \
-		tests/models/test_shipped.py -k every_exact_family
+		tests/folder/test_shipped.py -k every_exact_family
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check normswap tests benchmarks examples

@@ -1,9 +1,9 @@
 """Saving a (converted) model, atomically: in Hugging Face layout, config.json with its `normswap` section
-(validated on load by `schema`, with a checksum and a fingerprint), the weights (a converted model's as the
-"normswap" variant, model.normswap.safetensors, sharded with an index above max_shard_size),
-modeling_normswap.py (`hub`), generation config and tokenizer files; a module without a transformers config, its
-weights and normswap.json (the same section, rebuilt by `restore`). The section is sealed by the code the folder
-ships (`shipped.sealed`, `shipped.finish_folder`): the same as the model's own save_pretrained runs."""
+(validated on load by `folder.schema`, with a checksum and a fingerprint), the weights (a converted model's as
+the "normswap" variant, model.normswap.safetensors, sharded with an index above max_shard_size),
+modeling_normswap.py (`folder.modeling`), generation config and tokenizer files; a module without a transformers
+config, its weights and normswap.json (the same section, rebuilt by `restore`). The section is sealed by the code
+the folder ships (`shipped.sealed`, `shipped.finish_folder`): the same as the model's own save_pretrained runs."""
 from __future__ import annotations
 
 import contextlib
@@ -16,17 +16,17 @@ from torch import nn
 
 from normswap.io.atomic import Held, atomic_dir
 from normswap.io import kept, owned, safetensors
-from normswap.io.checksum import VARIANT
-from normswap.io.shipped import finish_folder, sealed
+from normswap.folder.checksum import VARIANT
+from normswap.folder.shipped import finish_folder, sealed
 from normswap.errors import NormswapError, reraised
-from normswap.io.portable import InvalidConversion
-from normswap.models import hub
+from normswap.folder.portable import InvalidConversion
+from normswap.folder import modeling
 from normswap.models.adopt import original_class
 from normswap.models.introspect import is_causal_lm
 from normswap.models.names import renamed_modules, saved_names
 from normswap.models.wrapped import unwrapped
-from normswap.models.section import MODULE_TYPE, has_config, qualified_name, set_section
-from normswap.models.section import section as module_section
+from normswap.folder.section import MODULE_TYPE, has_config, qualified_name, set_section
+from normswap.folder.section import section as module_section
 from normswap.models.source import transformers_class
 
 
@@ -102,7 +102,7 @@ def _finish(model: nn.Module, folder: Path, found: dict | None = None, pending: 
     computes it from the written folder), or recorded from the model."""
     probe_only = {k: v for k, v in (model.config.normswap.get("fingerprint") or {}).items() if k == "probe"}
     with reraised(InvalidConversion):
-        finish_folder(model, folder, hub.code(model.config.normswap), found or (probe_only if pending else None))
+        finish_folder(model, folder, modeling.code(model.config.normswap), found or (probe_only if pending else None))
 
 
 def module_record(model: nn.Module) -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from normswap.io.portable import FORMAT
-from normswap.io.shipped import original_class
+from normswap.folder.portable import FORMAT
+from normswap.folder.shipped import original_class
 
 ATTRIBUTE = "normswap_section"
 MODULE_TYPE = "torch.nn.Module"   # the section's base.model_type for a module without a transformers config
@@ -19,7 +19,7 @@ def qualified_name(cls: type) -> str:
 
 def new_section(model: nn.Module, fingerprint: dict) -> dict:
     """A converted model's section as `convert` starts it, in its final format: the class it was built as (for a
-    transformers model, the one its folder rebuilds), no norm yet, the fingerprint's probe (`io.fingerprint`; the
+    transformers model, the one its folder rebuilds), no norm yet, the fingerprint's probe (`folder.fingerprint`; the
     digest is taken when it is saved)."""
     cls = original_class(model).__name__
     base = {"architecture": cls, "model_type": model.config.model_type} if has_config(model) \
