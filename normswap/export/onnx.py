@@ -33,7 +33,7 @@ from normswap.export import wrap
 from normswap.export.report import ExportReport
 from normswap.models.inputs import sample_inputs
 from normswap.models.inputs.examples import HOW, as_batches
-from normswap.folder.section import has_config
+from normswap.folder.attached import has_config
 from normswap.models.introspect import is_rms_norm
 from normswap.models.modes import eval_mode
 from normswap.norms import PartialRMSNorm

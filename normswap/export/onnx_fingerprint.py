@@ -30,7 +30,7 @@ from normswap.errors import NormswapError, first_line
 from normswap.export import wrap
 from normswap.folder import fingerprint
 from normswap.folder.schema import FingerprintFailed
-from normswap.folder.section import section
+from normswap.folder.attached import section
 
 META = "normswap.fingerprint"
 NO_ARGS = {"tuple": []}   # fingerprint.encode(()): every probe normswap records passes keywords only

@@ -7,5 +7,7 @@ and the code every folder ships as modeling_normswap.py. Light: importing it imp
 - `shipped`: the transformers side of the shipped file (`NormswapMixin`: load, save, seal);
 - `modeling`: modeling_normswap.py (the shipped modules, then generated classes) and config.json's auto_map;
 - `schema`: the shipped checks as normswap raises them (NormswapError);
-- `section`: where a converted model keeps its section in memory, and the section as it is born.
+- `section`: the section as a type (`Section`: to and from its dict, checked), born in its final format, and
+  `write`, the one place normswap writes it to a folder;
+- `attached`: where a converted model keeps its section in memory.
 """

@@ -24,9 +24,9 @@ from normswap.io import owned, safetensors
 from normswap.folder import checksum, portable, schema
 from normswap.models.introspect import norm_kind
 from normswap.models.rebuild import load_weights
-from normswap.folder.section import qualified_name
-from normswap.folder.section import section as model_section
-from normswap.folder.section import set_section
+from normswap.folder.attached import qualified_name
+from normswap.folder.attached import section as model_section
+from normswap.folder.attached import set_section
 from normswap.norms import build_norm, off_fast_path
 from normswap.folder.shipped import original_class
 

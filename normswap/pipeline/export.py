@@ -10,7 +10,7 @@ from normswap.export.onnx import ExportReport, check_args, check_quantize, expor
 from normswap.folder import fingerprint
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import LoadOptions, load_model
-from normswap.folder.section import section
+from normswap.folder.attached import section
 from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ExportOptions

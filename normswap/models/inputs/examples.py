@@ -15,7 +15,7 @@ import torch
 
 from normswap.errors import NormswapError, first_line
 from normswap.io.batches import read_batches
-from normswap.folder.section import has_config
+from normswap.folder.attached import has_config
 from normswap.models.inputs import sample_inputs
 from normswap.folder.shipped import original_class
 
