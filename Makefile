@@ -30,9 +30,9 @@ $(STAMP): pyproject.toml setup.py
 demo: $(STAMP)
 	$(VENV)/bin/normswap convert normswap-demo --to rmsnorm -o $(DEMO_OUT) --overwrite
 
-# transformers 4.x beside .venv's 5.x, for the cross-version check (tests/models/test_shipped.py and
-# test_renamed.py run again with NORMSWAP_PLAIN_PYTHON: folders written under 5.x load the same model in 4.57, or
-# are refused where 4.57 cannot load the original either). A small venv of its own: no pip
+# transformers 4.x beside .venv's 5.x, for the cross-version check (tests/folder/test_shipped.py and
+# tests/models/test_renamed.py run again with NORMSWAP_PLAIN_PYTHON: folders written under 5.x load the same
+# model in 4.57, or are refused where 4.57 cannot load the original either). A small venv of its own: no pip
 # (.venv's pip installs into it), everything but transformers and the versions it needs read from .venv's
 # site-packages through a .pth file, so torch is not installed twice.
 TF4 ?= .venv-tf4
@@ -50,7 +50,7 @@ $(TF4_STAMP): $(STAMP)
 test: lint $(TF4_STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 	NORMSWAP_PLAIN_PYTHON=$(abspath $(TF4))/bin/python TRITON_INTERPRET=1 $(PY) -m pytest -q \
-		tests/models/test_shipped.py tests/models/test_renamed.py -k "every_exact_family or every_renamed_family"
+		tests/folder/test_shipped.py tests/models/test_renamed.py -k "every_exact_family or every_renamed_family"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check normswap tests benchmarks examples

@@ -21,7 +21,7 @@ from normswap.models.modes import eval_mode
 from normswap.parity import compare, json_safe, nonnegative, scope, token_kl
 from normswap.progress import bar
 from normswap.textdata import max_positions, sentences, token_stream
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 @dataclass

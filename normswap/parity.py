@@ -20,7 +20,7 @@ from torch import nn
 from normswap.errors import NormswapError, first_line
 from normswap.io.spill import Spill, Spilled
 from normswap.models.inputs.examples import Example, model_inputs
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 # a tuple of per-layer residual-stream states: centred by an exact conversion, so never compared
 STREAM = re.compile(r"(^|\.|_)hidden_states$")

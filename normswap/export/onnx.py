@@ -35,13 +35,13 @@ from normswap.export import wrap
 from normswap.export.report import ExportReport
 from normswap.models.inputs import sample_inputs
 from normswap.models.inputs.examples import HOW, as_batches
-from normswap.models.section import has_config
+from normswap.folder.attached import has_config
 from normswap.models.introspect import is_rms_norm
 from normswap.models.modes import eval_mode
 from normswap.models.source import dtype_name
 from normswap.norms import PartialRMSNorm
 from normswap.parity import main_output
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line, reraised
-from normswap.io import checksum, owned, portable
+from normswap.io import owned
+from normswap.folder import checksum, portable
 
 WEIGHTS, INDEX = checksum.WEIGHTS, checksum.INDEX
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default

@@ -7,10 +7,10 @@ from pathlib import Path
 from normswap.errors import NormswapError
 from normswap.export.folder import export_folder
 from normswap.export.onnx import ExportReport, check_args, check_quantize, export_onnx, fp16_graph
-from normswap.io import fingerprint
+from normswap.folder import fingerprint
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import LoadOptions, load_model
-from normswap.models.section import section
+from normswap.folder.attached import section
 from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ExportOptions

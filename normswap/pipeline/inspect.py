@@ -12,7 +12,7 @@ from normswap.pipeline.options import InspectOptions
 from normswap.surgery.exact import plan
 from normswap.surgery.report import BIAS_FATE, plan_lines
 from normswap.surgery.walk import find_norms
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 @dataclass

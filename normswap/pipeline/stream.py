@@ -29,7 +29,8 @@ from normswap import progress
 from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, bound_heap, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
-from normswap.io import fingerprint, portable, safetensors
+from normswap.io import safetensors
+from normswap.folder import fingerprint, portable
 from normswap.io.spill import Spill
 from normswap.models.demo import DEMO_NAME
 from normswap.models.inputs.examples import model_inputs

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_conv1d
-from normswap.io.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
+from normswap.folder.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
 
 CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
 

@@ -5,13 +5,14 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.io import fingerprint
+from normswap.folder import fingerprint
 from normswap.norms import RMSNorm, build_norm, norm_spec, off_fast_path
 from normswap.ops import check_eps, partial_width
 from normswap.models.adopt import adopt
 from normswap.models.inputs.examples import NoInputs, check_examples
-from normswap.models.section import new_section, set_section
-from normswap.models.section import section as model_section
+from normswap.folder.attached import section as model_section
+from normswap.folder.attached import set_section
+from normswap.folder.section import new_section
 from normswap.models.wrapped import unwrapped
 from normswap.surgery.exact import InMemory, auto, exact
 from normswap.surgery.methods import ExactSteps, MethodResult, naive

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.io.portable import ensure_bias
-from normswap.models.section import section
+from normswap.folder.portable import ensure_bias
+from normswap.folder.attached import section
 from normswap.parity import Reference
 from normswap.surgery.algebra import centre_outputs, fold_bias, scale_outputs, scale_parameter
 from normswap.surgery.centring import add_input_fix, add_output_fix, describe_fix

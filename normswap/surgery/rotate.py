@@ -29,7 +29,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
-from normswap.models.section import has_config, section, set_section
+from normswap.folder.attached import has_config, section, set_section
 from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim

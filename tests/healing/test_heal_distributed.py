@@ -16,7 +16,7 @@ from helpers.heal_models import save_pair, text, tokenizer
 
 import normswap
 from normswap.models.rebuild import from_pretrained
-from normswap.io.checksum import raw_header
+from normswap.folder.checksum import raw_header
 
 from helpers.folders import same_fingerprint, split_config
 

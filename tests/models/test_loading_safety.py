@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 import normswap
-from normswap.io.shipped import original_class
-from normswap.models import schema
+from normswap.folder.shipped import original_class
+from normswap.folder import schema
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.io.safetensors import weights_names

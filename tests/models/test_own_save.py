@@ -14,7 +14,7 @@ import transformers as tf
 
 import normswap
 from normswap.errors import NormswapError
-from normswap.io.portable import InvalidConversion
+from normswap.folder.portable import InvalidConversion
 
 from helpers.exact_models import perturb
 

@@ -12,9 +12,9 @@ of a `NormswapMixin` class too (`models.adopt`), so that transformers' own save 
 """
 from __future__ import annotations
 
-from normswap.io.checksum import VARIANT, checksum, verify_checksum
-from normswap.io.fingerprint import record, verify
-from normswap.io.portable import FORMAT, InvalidConversion, rebuild
+from normswap.folder.checksum import VARIANT, checksum, verify_checksum
+from normswap.folder.fingerprint import record, verify
+from normswap.folder.portable import FORMAT, InvalidConversion, rebuild
 
 # ---- shipped from here: the transformers side -----------------------------------------------------------------
 import importlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)

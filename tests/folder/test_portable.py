@@ -1,4 +1,4 @@
-"""The shipped modeling file (`normswap/io/portable.py`): its norms export with a user's own tools (issue 33.3);
+"""The shipped modeling file (`normswap/folder/portable.py`): its norms export with a user's own tools (issue 33.3);
 what every load prints (its `not_preserved` entries) is plain text (issue 33.20)."""
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import normswap
-from normswap.io import portable
-from normswap.models import schema
+from normswap.folder import portable, schema
 
 from helpers.export_models import converted as naive_conversion
 

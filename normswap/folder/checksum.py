@@ -11,7 +11,7 @@ the original class, which does not, finds no weights and fails loudly (`GPT2LMHe
 """
 from __future__ import annotations
 
-from normswap.io.portable import InvalidConversion, check_section_hash, section_hash, sha256
+from normswap.folder.portable import InvalidConversion, check_section_hash, section_hash, sha256
 
 # ---- shipped from here: the weights files and the checksum -----------------------------------------------------
 import json  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)

@@ -3,7 +3,7 @@ folder ships and runs in plain transformers), raising NormswapError.
 
 The section: `format` (4; 2 and 3 still read), `base` (the original architecture and model_type), `norms` (name ->
 type, width, eps, affine, p), `added_biases`, `output_fixes` (name -> centre, bias width, input, matrix width),
-`conversions`, `fingerprint` (a probe input and the digest of the model's output on it: `io.fingerprint`) and a
+`conversions`, `fingerprint` (a probe input and the digest of the model's output on it: `folder.fingerprint`) and a
 `checksum` of itself and of the weights files' headers (a hand-edited section or swapped weights are refused).
 """
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 from torch import nn
 
 from normswap.errors import NormswapError, reraised
-from normswap.io import checksum as sums
-from normswap.io import fingerprint, portable
+from normswap.folder import checksum as sums
+from normswap.folder import fingerprint, portable
 
 FORMAT = portable.FORMAT
 
 
 class FingerprintFailed(NormswapError):
-    """A loaded model does not reproduce its folder's fingerprint (`io.fingerprint`)."""
+    """A loaded model does not reproduce its folder's fingerprint (`folder.fingerprint`)."""
 
 
 def validate(section, where: str, model: nn.Module | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""The transformers side of the shipped modeling file (`normswap/io/shipped.py`), as plain transformers runs it."""
+"""The transformers side of the shipped modeling file (`normswap/folder/shipped.py`), as plain transformers runs it."""
 from __future__ import annotations
 
 import pytest

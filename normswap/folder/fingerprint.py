@@ -21,7 +21,7 @@ library and torch only.
 """
 from __future__ import annotations
 
-from normswap.io.portable import InvalidConversion
+from normswap.folder.portable import InvalidConversion
 
 # ---- shipped from here: the fingerprint -----------------------------------------------------------------------
 import contextlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)

@@ -1,4 +1,4 @@
-"""The behavioural fingerprint (`normswap/io/fingerprint.py`): probe inputs regenerated bit for bit, digests that
+"""The behavioural fingerprint (`normswap/folder/fingerprint.py`): probe inputs regenerated bit for bit, digests that
 move with any wrong value, a tolerance per dtype, and the loaders that refuse a model that does not reproduce it."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import normswap
-from normswap.io import fingerprint as fp
-from normswap.models.schema import FingerprintFailed
+from normswap.folder import fingerprint as fp
+from normswap.folder.schema import FingerprintFailed
 from normswap.surgery.convert import PROBE_TOKENS
 
 from helpers.restore_models import Encoder, TiedLM

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import normswap
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 import normswap.models.load
 import normswap.models.save
 from normswap.models.demo import DEMO_DIR
-from normswap.io import checksum
-from normswap.io import portable as template
-from normswap.models.hub import MODELING_FILE
+from normswap.folder import checksum
+from normswap.folder import portable as template
+from normswap.folder.modeling import MODELING_FILE
 
 from helpers.exact_models import build
 from helpers.tiny import tiny_model
@@ -242,7 +242,7 @@ def test_template_partial_width_matches_normswap():
 def test_auto_classes_of_a_model_built_for_another_types_config():
     """MusicGen's decoder (model type musicgen_decoder) is what AutoModelForCausalLM builds for MusicGen's
     config: a converted decoder folder names it, so plain transformers loads it (no type maps it directly)."""
-    from normswap.models.hub import auto_classes
+    from normswap.folder.modeling import auto_classes
     assert auto_classes("musicgen_decoder", "MusicgenForCausalLM") == {"AutoModelForCausalLM": "MusicgenForCausalLM"}
     gpt2 = auto_classes("gpt2", "GPT2LMHeadModel")
     assert "AutoModelForCausalLM" in gpt2 and "AutoModel" not in gpt2   # a head: no base-model class offered

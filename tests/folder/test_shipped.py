@@ -1,5 +1,5 @@
 """One implementation of a saved conversion (issue 18.2): the modeling_normswap.py every converted folder ships
-is `normswap/io/portable.py` verbatim, the module normswap itself rebuilds folders with; and plain
+is `normswap/folder/portable.py` verbatim, the module normswap itself rebuilds folders with; and plain
 transformers, with normswap unimportable, loads every exact family the tests convert as the original model."""
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import safetensors.torch
 import torch
 
 import normswap
-from normswap.io import checksum, fingerprint, portable, shipped
-from normswap.models import hub
+from normswap.folder import checksum, fingerprint, modeling, portable, shipped
 
 from helpers.exact_models import FAMILIES, build, perturb
 from helpers.plain import OTHER_VERSION, check_loads, convert_all, plain_transformers
@@ -39,12 +38,12 @@ def converted(tmp_path_factory):
 def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     root, cases = converted
     first, *rest = [Path(m.__file__).read_text() for m in (portable, checksum, fingerprint, shipped)]
-    expected = "\n\n".join([first] + [text[text.index(hub.SHIPPED_FROM):] for text in rest]) + hub.GENERATED
+    expected = "\n\n".join([first] + [text[text.index(modeling.SHIPPED_FROM):] for text in rest]) + modeling.GENERATED
     for folder, *_ in cases.values():
         for saved in (folder, Path(f"{folder}-own")):
-            assert (saved / hub.MODELING_FILE).read_text().startswith(expected), saved.name
+            assert (saved / modeling.MODELING_FILE).read_text().startswith(expected), saved.name
     # It imports the standard library, torch and transformers only: never normswap.
-    tree = ast.parse(hub.shipped_source())
+    tree = ast.parse(modeling.shipped_source())
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [n])}
@@ -94,8 +93,8 @@ def test_a_folder_saved_before_input_fixes_shipped_is_named(converted, tmp_path,
     folder = Path(shutil.copytree(cases["m2m100"][0], tmp_path / "old"))
     normswap.from_pretrained(folder)
     assert "predates input fixes" not in capsys.readouterr().err
-    text = (folder / hub.MODELING_FILE).read_text()
-    (folder / hub.MODELING_FILE).write_text(text.replace("def add_input_fix", "def gone"))
+    text = (folder / modeling.MODELING_FILE).read_text()
+    (folder / modeling.MODELING_FILE).write_text(text.replace("def add_input_fix", "def gone"))
     normswap.from_pretrained(folder)
     assert "predates input fixes" in capsys.readouterr().err
 
@@ -109,10 +108,10 @@ def test_the_fingerprint_refuses_what_the_old_shipped_code_loaded_wrong(converte
         pytest.skip("this transformers does not rename VideoMAE's tensors")
     root, cases = converted
     folder = Path(shutil.copytree(cases["videomae-pretrain"][0], tmp_path / "old-code"))
-    text = (folder / hub.MODELING_FILE).read_text()
+    text = (folder / modeling.MODELING_FILE).read_text()
     head = "def register_base_mapping(class_name: str, section: dict) -> None:\n"
     assert text.count(head) == 1
-    (folder / hub.MODELING_FILE).write_text(text.replace(head, head + "    return   # the old code\n"))
+    (folder / modeling.MODELING_FILE).write_text(text.replace(head, head + "    return   # the old code\n"))
     got = plain_transformers(tmp_path, {str(folder): "-"})
     assert "does not reproduce the outputs recorded when it was saved" in got[str(folder)]["error"]
 
