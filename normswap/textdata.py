@@ -33,8 +33,8 @@ def read_texts(paths) -> list[str]:
         if f.exists() and not f.is_file():   # /dev/zero, a pipe: they never end, or end once read
             raise NormswapError(f"{f} is not a regular file: pass plain text files")
         try:
-            with open(f, "rb") as stream:   # a binary file is refused from its start, not once wholly read
-                if _binary(stream.read(1 << 16).decode("utf-8", errors="ignore")):
+            with open(f, "rb") as file:   # a binary file is refused from its start, not once wholly read
+                if _binary(file.read(1 << 16).decode("utf-8", errors="ignore")):
                     raise NormswapError(f"{f} is not text (NUL or control bytes): pass plain text files")
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:

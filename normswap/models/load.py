@@ -2,8 +2,9 @@
 
 Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
 do not match the config unless allow_missing_weights is given. Folders normswap saved are rebuilt by
-`rebuild.from_pretrained`, never through their own modeling file. A local folder is read as streaming reads
-it (`pipeline.stream`): the same weights files, headers validated first, the same dtype (`load_dtype`).
+`rebuild.from_pretrained`, never through their own modeling file. A local folder is read as a lazy conversion
+reads it (`pipeline.lazy_convert`): the same weights files, headers validated first, the same dtype
+(`load_dtype`).
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ def reference_outputs(model: nn.Module, inputs: list[dict] | None = None, skip: 
                       spill: Spill | None = None) -> Reference:
     """Run `model` on `inputs` (default: `model_inputs`, its sample inputs) and keep every floating output,
     detached, but those `skip` names (name -> why; "a.b" covers "a.b.c" too), which go to `excluded` with their reason.
-    With `spill`, the outputs are written there as they are produced and none stays in memory (streaming: the
+    With `spill`, the outputs are written there as they are produced and none stays in memory (a lazy conversion: the
     converted model then runs with none of them resident).
 
     Take it before editing the weights; `compare_to` later needs only this, not a copy of the model.

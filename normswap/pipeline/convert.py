@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.checkpoint.lazy import NotStreamable
+from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import Interrupted, NormswapError
 from normswap.export.onnx import ExportReport, export_onnx
 from normswap.export.onnx import check_replaceable as check_onnx_replaceable
@@ -30,7 +30,7 @@ from normswap.models.source import Source, check_code, read_folder, read_source,
 from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
-from normswap.pipeline.stream import convert_folder, streamable
+from normswap.pipeline.lazy_convert import convert_folder, lazily_convertible
 from normswap.surgery.convert import convert
 from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
@@ -129,7 +129,7 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
 
 def _streamed(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
     """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
-    NotStreamable, before anything is written, where it converts only in memory."""
+    InMemoryOnly, before anything is written, where it converts only in memory."""
     folder = read_folder(source.where, source.config)   # its weights' headers, read once for every pass
     def stream(method: str) -> ConvertResult:
         report, parity = convert_folder(folder, out, o.to, method, o.p, o.load.dtype, o.overwrite,
@@ -176,10 +176,10 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     check_examples(examples)
     notices: list[str] = []
     if not texts and not o.rotate and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
-            and streamable(source):
+            and lazily_convertible(source):
         try:
             return _streamed(source, out, o, examples)
-        except NotStreamable as e:   # raised before anything is written
+        except InMemoryOnly as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = _load(src, o, device)
     # outputs before editing (on the samples and the user's examples), not a copy of the model

@@ -46,8 +46,8 @@ their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) t
 2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
 CLI then converts the source again, naively, under `auto`: `auto_or_naive`, the one fallback).
 
-The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the streaming
-writer in `pipeline.stream`), and checked by `verification`.
+The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the lazy
+writer in `pipeline.lazy_convert`), and checked by `verification`.
 """
 from __future__ import annotations
 
