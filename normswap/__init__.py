@@ -26,7 +26,7 @@ PUBLIC = {
     "export_onnx": "normswap.export.onnx", "export_folder": "normswap.export.folder",
     "ExportReport": "normswap.export.report",
     "rotate": "normswap.surgery.rotate", "RotationReport": "normswap.surgery.rotate",
-    "fuse_residual_norms": "normswap.surgery.fuse", "unfuse_residual_norms": "normswap.surgery.fuse",
+    "fuse_residual_norms": "normswap.surgery.add_norm", "unfuse_residual_norms": "normswap.surgery.add_norm",
     "NormswapError": "normswap.errors", "FellBackToNaive": "normswap.errors",
 }
 __all__ = list(PUBLIC)

@@ -57,7 +57,7 @@ def _binary(text: str) -> bool:
     return sum(c < " " and c not in "\t\n\r\f\v" for c in sample) > len(sample) / 10
 
 
-def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+def joined_ids(tokenizer, texts: list[str]) -> torch.Tensor:
     """All texts tokenized without special tokens, joined by EOS where the tokenizer has one."""
     if tokenizer is None:
         raise NormswapError("no tokenizer: the model folder needs its tokenizer files")

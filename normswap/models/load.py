@@ -64,7 +64,7 @@ def load_model(src: str, dtype: str | None = None, trust_remote_code: bool = Fal
         return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
     if local:
         check_code(src, read_config(where), trust_remote_code, converting=False)
-    # Every header transformers will read, validated before it reads a byte (as streaming does).
+    # Every header transformers will read, validated before it reads a byte (as the lazy conversion does).
     reader = weights_reader(src, where) if local and safetensors.has_weights(where) else None
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)
