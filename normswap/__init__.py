@@ -37,8 +37,8 @@ DEPRECATED = {
         "InspectOptions": OPTIONS, "GenerateOptions": OPTIONS, "LoraOptions": "normswap.healing.options",
         "ConversionReport": "normswap.surgery.report", "HealReport": "normswap.healing.report",
         "EvalReport": "normswap.evaluation", "ExportReport": "normswap.export.report",
-        "RotationReport": "normswap.surgery.rotate", "fuse_residual_norms": "normswap.surgery.fuse",
-        "unfuse_residual_norms": "normswap.surgery.fuse"}.items()},
+        "RotationReport": "normswap.surgery.rotate", "fuse_residual_norms": "normswap.surgery.add_norm",
+        "unfuse_residual_norms": "normswap.surgery.add_norm"}.items()},
 }
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy(__name__, PUBLIC, DEPRECATED)

@@ -1,6 +1,6 @@
 """A converted model's behavioural fingerprint: a deterministic probe input and a digest of what the model
 returns on it, recorded in the `normswap` section when a folder is saved and checked by every loader once the
-weights are in (normswap's `from_pretrained` and `restore`, streaming's verification, and the folder's own
+weights are in (normswap's `from_pretrained` and `restore`, a lazy conversion's verification, and the folder's own
 modeling_normswap.py in plain transformers). The checksum proves the files are the ones saved; the fingerprint
 proves the model a loader built from them is the model that was saved (a renaming a transformers release
 applies differently, weights files of the same layout swapped, a class that ties what the saved one did not).

@@ -2,8 +2,9 @@
 
 Loading runs no code from a model folder unless trust_remote_code is given, and refuses weights that
 do not match the config unless allow_missing_weights is given. Folders normswap saved are rebuilt by
-`rebuild.from_pretrained`, never through their own modeling file. A local folder is read as streaming reads
-it (`pipeline.stream`): the same weights files, headers validated first, the same dtype (`load_dtype`).
+`rebuild.from_pretrained`, never through their own modeling file. A local folder is read as a lazy conversion
+reads it (`pipeline.lazy_convert`): the same weights files, headers validated first, the same dtype
+(`load_dtype`).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def load_model(src: str | os.PathLike, options: LoadOptions | None = None, **key
         return model, load_tokenizer(where, config=model.config)  # the original config, not normswap_<type>
     if local:
         check_code(src, read_config(where), trust_remote_code, converting=False)
-    # Every header transformers will read, validated before it reads a byte (as streaming does).
+    # Every header transformers will read, validated before it reads a byte (as the lazy conversion does).
     reader = weights_reader(src, where) if local and safetensors.has_weights(where) else None
     try:
         config = AutoConfig.from_pretrained(where, local_files_only=local, trust_remote_code=trust_remote_code)

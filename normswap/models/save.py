@@ -39,7 +39,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
-    order, when they are not the model's own (streaming computes them as they are written). files: more text
+    order, when they are not the model's own (the lazy conversion computes them as they are written). files: more text
     files to write beside the weights, name -> content (heal's heal_log.json; names in `owned.FILES`).
 
     A module without a transformers config (any nn.Module) is saved as model.safetensors (sharded likewise)
@@ -50,7 +50,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     source: the model's folder, whose other files its loaders read OUT keeps (`io.kept`: sentence-transformers'
     modules, the slow tokenizer's files, generation settings); a file linked from outside it is refused.
     lock: OUT's lock, held by the caller since before its work (`io.atomic.held`: heal's training).
-    fingerprint(folder), if given, computes the fingerprint from the written folder after `check` (streaming:
+    fingerprint(folder), if given, computes the fingerprint from the written folder after `check` (lazy conversion:
     `model` is on meta); by default it is recorded from `model` itself.
     """
     if not isinstance(model, nn.Module):

@@ -1,6 +1,6 @@
 """`convert_checkpoint`: the whole flow `normswap convert` runs, for Python callers too.
 
-Load SRC (or stream it, tensor by tensor, when it is a local safetensors folder and nothing needs the whole
+Load SRC (or convert it lazily, tensor by tensor, when it is a local safetensors folder and nothing needs the whole
 model), convert, optionally heal on text, rotate the residual streams (`surgery.rotate`), compare with the
 original, export to ONNX, save to OUT. Every check that can fail runs before the slow work; OUT (and the ONNX
 file) appear only once everything passed.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.checkpoint.lazy import NotStreamable
+from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import Interrupted, NormswapError
 from normswap.export.onnx import ExportReport, export_onnx
 from normswap.export.onnx import check_replaceable as check_onnx_replaceable
@@ -30,7 +30,7 @@ from normswap.models.source import Source, check_code, read_folder, read_source,
 from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
-from normswap.pipeline.stream import convert_folder, streamable
+from normswap.pipeline.lazy_convert import convert_folder, lazily_convertible
 from normswap.surgery.convert import convert
 from normswap.surgery.exact import auto_or_naive
 from normswap.surgery.probe import NONFINITE
@@ -127,17 +127,17 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
                             "nothing was written")
 
 
-def _streamed(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
+def _lazily(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
     """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
-    NotStreamable, before anything is written, where it converts only in memory."""
+    InMemoryOnly, before anything is written, where it converts only in memory."""
     folder = read_folder(source.where, source.config)   # its weights' headers, read once for every pass
-    def stream(method: str) -> ConvertResult:
+    def run(method: str) -> ConvertResult:
         report, parity = convert_folder(folder, out, o.to, method, o.p, o.load.dtype, o.overwrite,
                                         o.max_shard_size, o.show_progress, examples)
         _refuse_broken(source.text, report)
         return ConvertResult(report, parity, out if report.converted else None, streamed=True)
-    # a failed verification wrote nothing and left the source untouched: under auto, stream it again naively
-    return auto_or_naive(o.method, lambda: stream(o.method), lambda: stream("naive"),
+    # a failed verification wrote nothing and left the source untouched: under auto, convert it again naively
+    return auto_or_naive(o.method, lambda: run(o.method), lambda: run("naive"),
                          lambda result: result.report.warnings, VerificationFailed)
 
 
@@ -161,14 +161,14 @@ def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokeniz
 def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFAULTS) -> ConvertResult:
     """Convert the model at `src` (folder, Hub id or "normswap-demo") and save it to `out`, verified.
 
-    A local safetensors folder streams (bounded memory) unless healing, rotating, ONNX export, a GPU or missing
+    A local safetensors folder converts lazily (bounded memory) unless healing, rotating, ONNX export, a GPU or missing
     weights need the model in memory (a rotation edits every weight reading or writing the stream).
     Nothing to convert: the result's report lists no norm and nothing is written.
     """
     o, out = options, str(out)
     _check_outputs(src, out, o)
     source = read_source(src)
-    if source.local:   # a folder with its own model code: refused before any work, streaming or not
+    if source.local:   # a folder with its own model code: refused before any work, lazily or not
         check_code(src, source.config, o.load.trust_remote_code, converting=True)
     device = resolve_device(o.device)
     texts = _heal_texts(o)
@@ -176,10 +176,10 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     check_examples(examples)
     notices: list[str] = []
     if not texts and not o.rotate and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
-            and streamable(source):
+            and lazily_convertible(source):
         try:
-            return _streamed(source, out, o, examples)
-        except NotStreamable as e:   # raised before anything is written
+            return _lazily(source, out, o, examples)
+        except InMemoryOnly as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = _load(src, o, device)
     # outputs before editing (on the samples and the user's examples), not a copy of the model

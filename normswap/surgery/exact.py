@@ -46,8 +46,8 @@ their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) t
 2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
 CLI then converts the source again, naively, under `auto`: `auto_or_naive`, the one fallback).
 
-The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the streaming
-writer in `pipeline.stream`), and checked by `verification`.
+The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the lazy
+writer in `pipeline.lazy_convert`), and checked by `verification`.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def fell_back(reason: Exception | str) -> str:
 
 def auto_or_naive(method: str, attempt: Callable[[], T], fallback: Callable[[], T],
                   warnings: Callable[[T], list[str]], failure: type[Exception] = NotExact) -> T:
-    """The one auto -> naive fallback (a model in memory, its plan, a streamed folder): `attempt()`; where it
+    """The one auto -> naive fallback (a model in memory, its plan, a lazily converted folder): `attempt()`; where it
     raises `failure` under method "auto", `fallback()` (naive, on an untouched model: the caller's to provide)
     with the warning saying why in `warnings(result)`, and raised as a Python warning (`FellBackToNaive`) where
     the caller sees it; under any other method the failure propagates."""
@@ -140,7 +140,7 @@ def not_preserved(model: nn.Module, p: Plan) -> dict[str, str]:
 
 
 def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
-    """Methods "exact" and "auto" (in memory and streaming alike): steps.apply(model, sites, plan) where
+    """Methods "exact" and "auto" (in memory and lazily alike): steps.apply(model, sites, plan) where
     steps.plan(model, sites) finds the model exact and the plan passes its rehearsal; else refuse ("exact")
     or naive with a warning ("auto"). Any failure before the edits falls back: the model is untouched."""
     try:

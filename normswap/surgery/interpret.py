@@ -1,13 +1,13 @@
-"""The one interpreter of an exact plan's steps (`interpret`), in memory and streaming alike.
+"""The one interpreter of an exact plan's steps (`interpret`), in memory and lazily alike.
 
 Each step of `plan.Plan.steps`, in order: "centre" a source, "fold" a norm's bias into a reader, "scale"
 (a LayerScale folded into the layer before it), "fix" (an output or input fix, installed after the swap). The
 weight edits go to an editor: `EditNow` makes them on the model in memory; `Recorder` records them per layer,
-and the streaming writer replays each layer's edits (`Recorder.replay`, through `EditNow`: the same
+and the lazy writer replays each layer's edits (`Recorder.replay`, through `EditNow`: the same
 arithmetic in the same order, so the same bits) when it reaches that layer's tensors.
 
 `ExactResult` is the exact method's one result type: the fixes it installs after the swap, the recorded
-edits (streaming) or the reference outputs to verify against (in memory: streaming verifies the folder it
+edits (lazy) or the reference outputs to verify against (in memory: the lazy conversion verifies the folder it
 wrote instead, under the same rule, `verification.enforced`).
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ class EditNow:
 
 
 class Recorder:
-    """The editor that records each layer's edits, in the interpreter's order, for the streaming writer.
+    """The editor that records each layer's edits, in the interpreter's order, for the lazy writer.
 
-    Planning needs only 1-D tensors (norm biases, LayerScale factors), real on the streaming meta model; a
+    Planning needs only 1-D tensors (norm biases, LayerScale factors), real on the lazy meta model; a
     created bias is made on meta now (the writer fills it) so that the swapped model saves it."""
 
     def __init__(self):
@@ -73,7 +73,7 @@ class Recorder:
 
 class ExactResult(MethodResult):
     """A MethodResult whose `after_swap(model, report)` installs the fixes and, given the `reference`
-    outputs (in memory), verifies the swapped model; `edits`, when recorded, are for the streaming writer."""
+    outputs (in memory), verifies the swapped model; `edits`, when recorded, are for the lazy writer."""
 
     def __init__(self, fixes: dict, inputs: list[str], edits: Recorder | None = None,
                  reference: Reference | None = None, **kw):
@@ -84,7 +84,7 @@ class ExactResult(MethodResult):
         install_fixes(model, self.fixes, self.inputs)
         if not enforced(report):
             report.warnings.append(PARTIAL_WARNING)
-        if self.reference is not None:   # in memory; streaming verifies the folder it writes
+        if self.reference is not None:   # in memory; the lazy conversion verifies the folder it writes
             report.verification = verify(self.reference, model, enforce=enforced(report))
             self.reference = None  # free the recorded outputs
 

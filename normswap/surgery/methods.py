@@ -3,7 +3,7 @@
 A method takes the model and the LayerNorms found by the walk, may rewrite weights, and says what it
 did per norm. The walk and the module swap are the same for every method (see `convert`). "naive" is
 here; "exact" and "auto" are in `exact`, and take the `ExactSteps` that plan and apply the exact edits
-(in memory by default; `pipeline.stream` records them instead, to apply while it writes).
+(in memory by default; `pipeline.lazy_convert` records them instead, to apply while it writes).
 """
 from __future__ import annotations
 

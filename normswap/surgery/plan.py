@@ -11,7 +11,7 @@ plan is refused as a whole); `Plan.reasons` holds the model-wide ones (a paramet
 `labels.Label`s; decisions read a refusal's cause, never its text.
 
 The steps apply the plan one small independent edit at a time, each touching only the modules it names
-through `model.get_submodule`, so a streaming applier can materialise just what a step needs:
+through `model.get_submodule`, so a lazy applier can materialise just what a step needs:
 - Step("centre", target, group, ranges): make the target's outputs zero-mean over groups of `group`
   channels along its output dim, or over each of `ranges` only (q/k of a fused q/k/v projection; v stays);
   a layer's weight and bias, or a "param:" parameter's last dim;

@@ -1,5 +1,5 @@
 """Verification of an exact conversion: the unedited model's outputs recorded, the converted model's compared
-with them, and one rule for when the tolerance is enforced (`enforced`), in memory and streaming alike.
+with them, and one rule for when the tolerance is enforced (`enforced`), in memory and lazily alike.
 
 Both runs are in fp32 and eval mode: fp16/bf16 models are cast to fp32 in place and cast back (a lossless
 round trip, no copy), so only the rounding of the rewritten weights counts (measured up to ~7e-4 / ~5e-3),

@@ -17,7 +17,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 class NormSite:
     """A module that computes a LayerNorm over the last dim, which `convert` will replace.
 
-    gain, bias, eps are its *effective* values, measured by probing (`probe.py`), float64 on the
+    gain, bias, eps are its *effective* values, measured by probing (`probe`), float64 on the
     module's device: a `weight + 1` norm has gain weight + 1, a non-parametric one gain 1 and bias None.
     Built with only (name, module), they are read from an nn.LayerNorm's attributes.
     """

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from normswap import parity
+from normswap.parity import reference
 from normswap.surgery import exact, verification
 
 
@@ -12,7 +12,7 @@ def feed(monkeypatch):
     `model_inputs` (the model's samples and the user's examples)."""
     def use(inputs):
         listed = inputs if isinstance(inputs, list) else [inputs]
-        for mod in (parity, exact, verification):
+        for mod in (reference, exact, verification):
             monkeypatch.setattr(mod, "model_inputs", lambda model, *a, **k: listed)
         return listed
     return use

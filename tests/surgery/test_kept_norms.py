@@ -10,7 +10,7 @@ import transformers as tf
 from helpers.exact_models import perturb
 
 import normswap
-from normswap.pipeline import stream
+from normswap.pipeline import lazy_convert
 from normswap.errors import NormswapError
 from normswap.parity import compare
 
@@ -47,7 +47,7 @@ def test_an_lm_head_norm_stays_and_the_rest_is_exact(method):
 def test_streaming_keeps_the_same_norm_and_writes_the_same_model(tmp_path):
     model = _roberta_preln()
     model.save_pretrained(tmp_path / "src")
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
     assert report.method == "exact" and [s["name"] for s in report.skipped] == [KEPT]
     loaded = normswap.from_pretrained(tmp_path / "out")
     assert isinstance(loaded.get_submodule(KEPT), torch.nn.LayerNorm)

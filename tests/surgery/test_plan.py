@@ -443,12 +443,12 @@ def test_a_writer_only_training_runs_is_traced_in_training_mode(noisy, feed):
 def test_streaming_refuses_an_untraced_writer_too(monkeypatch, tmp_path):
     """The streamed conversion plans on a lazy model whose loader touches every parameter of a module it
     enters: only a read of its values counts as running (DINOv2's mask token, without bool_masked_pos)."""
-    from normswap.pipeline import stream
+    from normswap.pipeline import lazy_convert
     cfg = tf.Dinov2Config(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2, image_size=32,
                           patch_size=8)
     _fresh(lambda: tf.Dinov2Model(cfg)).save_pretrained(tmp_path / "src")
     pixels = [{"pixel_values": torch.randn(2, 3, 32, 32, generator=G)}]
-    monkeypatch.setattr(stream, "model_inputs", lambda *a, **k: pixels)
+    monkeypatch.setattr(lazy_convert, "model_inputs", lambda *a, **k: pixels)
     with pytest.raises(NormswapError, match="embeddings.mask_token did not run on the sample inputs"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+        lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
     assert not (tmp_path / "out").exists()

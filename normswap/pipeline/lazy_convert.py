@@ -1,4 +1,5 @@
-"""Convert a safetensors checkpoint folder without loading the model: bounded memory, bit-identical result.
+"""Convert a safetensors checkpoint folder lazily, without loading the model: bounded memory, bit-identical
+result.
 
 1. The model is built on the meta device (buffers real); only 1-D tensors (norm gains/biases, layer
    biases: O(layers x width)) are read, so `find_norms`, the exact plan and `convert` itself run as in
@@ -26,7 +27,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from normswap import progress
-from normswap.checkpoint.lazy import Lazy, LoadOnUse, NotStreamable, bound_heap, trim
+from normswap.checkpoint.lazy import InMemoryOnly, Lazy, LoadOnUse, bound_heap, trim
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import safetensors
@@ -48,7 +49,7 @@ from normswap.surgery.report import ConversionReport
 from normswap.surgery.verification import enforced, judge, refuse_nonfinite
 
 
-def streamable(src: Source) -> bool:
+def lazily_convertible(src: Source) -> bool:
     """True for a local folder of plain (not yet converted) safetensors weights, from SRC as read once
     (`read_source`: its config.json is not read again; `normswap-demo` is a name, not such a folder)."""
     return src.local and src.text != DEMO_NAME and safetensors.has_weights(src.where) \
@@ -118,7 +119,7 @@ def _sample_inputs(model: nn.Module, examples: list | None) -> list[dict]:
     try:
         return model_inputs(stand_in, examples)
     except NormswapError as e:   # e.g. inputs only a trial forward can settle: in memory, they can be
-        raise NotStreamable(str(e)) from None
+        raise InMemoryOnly(str(e)) from None
 
 
 def lazy_folder(out: Path, dtype: torch.dtype, bar=None) -> tuple[nn.Module, Lazy, dict]:
@@ -136,7 +137,7 @@ def lazy_folder(out: Path, dtype: torch.dtype, bar=None) -> tuple[nn.Module, Laz
 
 
 def fingerprint_lazy(out: Path, dtype: torch.dtype) -> dict:
-    """The fingerprint of the folder `out` as written (streamed: the converted model exists only there), its
+    """The fingerprint of the folder `out` as written (converted lazily: the converted model exists only there), its
     probe run on the model rebuilt from it as every loader rebuilds it, in the stored dtype."""
     converted, lazy, section = lazy_folder(out, dtype)
     found = section.get("fingerprint") or {}
@@ -201,7 +202,7 @@ def convert_folder(src: str | Path | Folder, out: str | Path, to: str = "rmsnorm
 
     Same result, bit for bit, as `load_model` + `convert` + `save_pretrained`; exact conversions are
     verified on sample inputs (and the user's `examples`, batches as `convert`'s example_inputs) before `out`
-    appears. Raises `lazy.NotStreamable` (before anything is
+    appears. Raises `lazy.InMemoryOnly` (before anything is
     written) for a folder that converts only in memory.
     """
     dtype = dtype_name(dtype)

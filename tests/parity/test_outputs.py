@@ -1,5 +1,7 @@
-"""Parity over every floating output: each judged on its own scale, the worst named, hidden-state tuples
-left out by name, outputs longer than the text mask (image tokens) and tuple outputs compared."""
+"""The walk over a forward's outputs, one for parity, the trace and the lazy loader (names, caches, the
+residual-stream tuples left out); parity over every floating output: each judged on its own scale, the worst
+named, hidden-state tuples left out by name, outputs longer than the text mask (image tokens) and tuple outputs
+compared."""
 from __future__ import annotations
 
 import copy
@@ -10,10 +12,31 @@ import torch
 import transformers as tf
 from click.testing import CliRunner
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 from normswap.cli import main
 from normswap.models.inputs import sample_inputs
-from normswap.parity import compare, floating_outputs
+from normswap.parity import compare
+from normswap.parity.outputs import floating_outputs, tensors, tensors_in
+
+
+def test_one_walk_names_every_tensor_the_same_way():
+    a, b, ids = torch.ones(2, 3), torch.zeros(2), torch.arange(3)
+    cache = DynamicCache()
+    cache.update(torch.ones(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), 0)
+    out = {"logits": a, "nested": (b, {"x": ids}), "hidden_states": (a, b), "past_key_values": cache}
+    assert [(n, t is x) for (n, t), x in zip(tensors(out), (a, b, ids, a, b))] == \
+        [("logits", True), ("nested.0", True), ("nested.1.x", True), ("hidden_states.0", True),
+         ("hidden_states.1", True)]   # the trace's view: no caches, the stream tuple included
+    left: dict = {}
+    names = [n for n, _ in tensors(out, caches=True, left=left)]
+    assert names == ["logits", "nested.0", "nested.1.x", "past_key_values.0.keys", "past_key_values.0.values"]
+    assert list(left) == ["hidden_states"]
+    kept, excluded = floating_outputs(out)   # parity's view: floating tensors of the same walk
+    assert list(kept) == ["logits", "nested.0", "past_key_values.0.keys", "past_key_values.0.values"]
+    assert excluded == left and list(floating_outputs(a)[0]) == ["output"]
+    assert [t is x for t, x in zip(tensors_in(((a, 1), {"w": b, "s": "no"})), (a, b))] == [True, True]
+    assert [n for n, _ in tensors((a, [b]), None)] == [None, None]   # no names: the trace's hot path
 
 
 class Toy(nn.Module):

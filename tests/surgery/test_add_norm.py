@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 import normswap  # noqa: E402
 from normswap.errors import NormswapError  # noqa: E402
-from normswap.surgery.fuse import fuse_residual_norms, unfuse_residual_norms  # noqa: E402
+from normswap.surgery.add_norm import fuse_residual_norms, unfuse_residual_norms  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,4 +1,4 @@
-"""Fused residual add + RMSNorm for converted models (opt-in: `fuse_residual_norms(model)`).
+"""Fused residual add + RMSNorm ("add & norm") for converted models (opt-in: `fuse_residual_norms(model)`).
 
 In a pre-norm GPT-2 block the attention output is added to the residual stream and the sum is
 immediately normalised by ln_2. Passing both to the norm (`norm(x, residual=r)` -> (RMSNorm(x + r),

@@ -1,4 +1,5 @@
-"""Streaming conversion of checkpoint folders: bit-identical to the in-memory path, in bounded memory."""
+"""Lazy conversion of checkpoint folders (`pipeline.lazy_convert`): bit-identical to the in-memory path, in
+bounded memory."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,8 @@ from click.testing import CliRunner
 
 import normswap
 from normswap.io import safetensors as shards
-from normswap.pipeline import stream
-from normswap.checkpoint.lazy import NotStreamable
+from normswap.pipeline import lazy_convert
+from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact
@@ -48,7 +49,7 @@ def _same_tensors(a: Path, b: Path) -> None:
                                               ("gpt_neox-parallel", torch.float32, "exact"),
                                               ("mbart", torch.float32, "exact"),
                                               ("gpt2", torch.bfloat16, "naive")])
-def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype, method):
+def test_lazy_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype, method):
     from normswap.surgery import algebra
     monkeypatch.setattr(algebra, "CHUNK", 100)  # large tensors are edited a slice at a time, in both paths
     _save_family(fam, tmp_path / "src", dtype)
@@ -56,8 +57,9 @@ def test_streamed_equals_in_memory_bit_for_bit(tmp_path, monkeypatch, fam, dtype
     model, _ = normswap.load_model(str(tmp_path / "src"))
     original = normswap.load_model(str(tmp_path / "src"))[0]
     mem_report = normswap.convert(model, method=method)
-    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")   # keeps SRC's files, as streaming
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method, max_shard_size="20kB")
+    normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")   # keeps SRC's files, as the lazy path
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method=method,
+                                                 max_shard_size="20kB")
     assert len(set(json.loads((tmp_path / "out" / NS_INDEX).read_text())["weight_map"].values())) >= 3
     _same_tensors(tmp_path / "out", tmp_path / "mem")
     assert [dataclasses.asdict(r) for r in report.converted] == [dataclasses.asdict(r) for r in mem_report.converted]
@@ -81,11 +83,11 @@ def test_broken_plan_fails_verification_and_writes_nothing(tmp_path, monkeypatch
 
     monkeypatch.setattr(exact, "plan", no_centring)
     with pytest.raises(NormswapError, match="failed verification"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+        lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_cli_streams_folders_and_keeps_errors_one_line(tmp_path):
+def test_cli_converts_folders_lazily_and_keeps_errors_one_line(tmp_path):
     from normswap.cli import main
     _save_family("opt", tmp_path / "src")
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "--method", "exact",
@@ -107,17 +109,17 @@ def test_cli_streams_folders_and_keeps_errors_one_line(tmp_path):
 
 CHILD = textwrap.dedent("""
     import resource, sys
-    from normswap.pipeline import stream
+    from normswap.pipeline import lazy_convert
     warm, src, out = sys.argv[1:]
-    stream.convert_folder(warm, out + "-warm", method="exact")  # imports and allocator warm-up, not counted
+    lazy_convert.convert_folder(warm, out + "-warm", method="exact")  # imports and allocator warm-up, not counted
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    stream.convert_folder(src, out, method="exact", max_shard_size="10MB")
+    lazy_convert.convert_folder(src, out, method="exact", max_shard_size="10MB")
     print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """)
 
 
-def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
-    """Holding the model (as loading it does) needs its size; streaming stays under half of it."""
+def test_lazy_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
+    """Holding the model (as loading it does) needs its size; the lazy path stays under half of it."""
     import transformers
     _save_family("gpt2", tmp_path / "tiny")
     torch.manual_seed(0)
@@ -133,9 +135,9 @@ def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
     assert peak < size / 2, (peak, size)
 
 
-def test_cli_streams_a_speech_model_with_its_ctc_head(tmp_path):
+def test_cli_converts_a_speech_model_lazily_with_its_ctc_head(tmp_path):
     """wav2vec2 (stable layer norm): sample waveforms from the config, the CTC head loaded (AutoModelForCTC),
-    and the streamed folder bit-identical to the in-memory conversion."""
+    and the lazily converted folder bit-identical to the in-memory conversion."""
     import transformers as tf
     from click.testing import CliRunner
     from normswap.cli import main
@@ -173,8 +175,8 @@ def _audio(cls_cfg, **kw):
     (lambda tf: tf.WavLMForCTC(_audio("WavLMConfig", do_stable_layer_norm=True, feat_extract_norm="layer",
                                       num_buckets=16, max_bucket_distance=20)), "naive"),
 ])
-def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
-    """Streaming converts what the in-memory path converts, bit for bit, also when a module's weights are read
+def test_lazy_weights_read_outside_their_module(tmp_path, make, method):
+    """The lazy path converts what the in-memory path converts, bit for bit, also when a module's weights are read
     without its forward running, or a view of one outlives its forward."""
     import transformers as tf
     torch.manual_seed(0)
@@ -182,7 +184,7 @@ def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
     model, _ = normswap.load_model(str(tmp_path / "src"))
     mem = normswap.convert(model, method=method)
     normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method=method)
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method=method)
     assert report.method == mem.method == method
     _same_tensors(tmp_path / "out", tmp_path / "mem")
     # the lazy verification computes what the whole models compute (WavLM's positions are built on
@@ -194,9 +196,9 @@ def test_streaming_weights_read_outside_their_module(tmp_path, make, method):
         assert parity.max_rel <= 1e-5
 
 
-def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
+def test_tied_tensors_stored_with_different_values_are_not_converted_lazily(tmp_path):
     """config ties lm_head to wte, but the file holds both, different: transformers unties them (the head is
-    the stored lm_head). Streaming built the tied model, used wte as the head, and its verification (against
+    the stored lm_head). The lazy path built the tied model, used wte as the head, and its verification (against
     the same tied model) passed: the written model's logits were not the original's."""
     from safetensors.torch import load_file, save_file
     from normswap.cli import main
@@ -206,8 +208,8 @@ def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
     save_file(state, tmp_path / "src" / shards.WEIGHTS, metadata={"format": "pt"})
     original, _ = normswap.load_model(str(tmp_path / "src"))
     assert original.lm_head.weight is not original.transformer.wte.weight   # what transformers does
-    with pytest.raises(NotStreamable, match="lm_head.weight with different values"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    with pytest.raises(InMemoryOnly, match="lm_head.weight with different values"):
+        lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out")
     assert not (tmp_path / "out").exists()
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
     assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
@@ -215,8 +217,8 @@ def test_tied_tensors_stored_with_different_values_are_not_streamed(tmp_path):
 
 
 def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
-    """PhiMoE (LayerNorm, experts stored one by one and merged by transformers when loading) cannot stream; the
-    CLI said "load the model in memory instead" and exited 1, with no way to do that from the CLI."""
+    """PhiMoE (LayerNorm, experts stored one by one and merged by transformers when loading) converts only in
+    memory; the CLI said "load the model in memory instead" and exited 1, with no way to do that from the CLI."""
     import transformers as tf
     from normswap.cli import main
     torch.manual_seed(0)
@@ -224,8 +226,8 @@ def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
                                                  num_hidden_layers=2,
                                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
                                                  max_position_embeddings=64))).save_pretrained(tmp_path / "src")
-    with pytest.raises(NotStreamable, match="transformers transforms it"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    with pytest.raises(InMemoryOnly, match="transformers transforms it"):
+        lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out")
     run = CliRunner().invoke(main, ["convert", str(tmp_path / "src"), "--to", "rmsnorm", "-o", str(tmp_path / "out")])
     assert run.exit_code == 0 and "converting in memory" in run.stderr, run.output
     model, _ = normswap.load_model(str(tmp_path / "src"))
@@ -258,7 +260,7 @@ def _heads():
                                   "wav2vec2-classifier", "bert-masked-lm"])
 def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
     """config.architectures names the transformers class to build (not only LM/seq2seq/CTC/image heads), so
-    its head's weights are loaded and converted, in memory and streaming alike."""
+    its head's weights are loaded and converted, in memory and lazily alike."""
     make, method = _heads()[name]
     torch.manual_seed(0)
     built = perturb(make()).eval()
@@ -268,23 +270,23 @@ def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
     report = normswap.convert(model, method="auto")
     assert report.method == method
     normswap.save_pretrained(model, tmp_path / "mem", source=tmp_path / "src")
-    stream_report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="auto")
-    assert stream_report.method == method
+    lazy_report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="auto")
+    assert lazy_report.method == method
     _same_tensors(tmp_path / "out", tmp_path / "mem")
     expected = compare(built, normswap.from_pretrained(tmp_path / "out"))
     assert parity.max_rel == pytest.approx(expected.max_rel, rel=1e-6)
     assert parity.max_rel <= 1e-5 if method == "exact" else parity.max_rel > 1e-2
 
 
-def test_a_decoder_that_cross_attends_streams_exactly(tmp_path):
-    """Streaming has no weights for a trial forward: whether MusicGen's decoder takes encoder states is
+def test_a_decoder_that_cross_attends_converts_lazily_and_exactly(tmp_path):
+    """The lazy path has no weights for a trial forward: whether MusicGen's decoder takes encoder states is
     checked on a meta skeleton, so its cross-attention norms are traced as in memory."""
     import transformers as tf
     torch.manual_seed(0)
     model = perturb(tf.MusicgenForCausalLM(tf.MusicgenDecoderConfig(
         num_codebooks=2, vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2)))
     model.save_pretrained(tmp_path / "src")
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
     assert report.method == "exact" and "model.decoder.layers.1.encoder_attn_layer_norm" in \
         [r.name for r in report.converted]
     in_memory = normswap.load_model(str(tmp_path / "src"))[0]
@@ -293,12 +295,12 @@ def test_a_decoder_that_cross_attends_streams_exactly(tmp_path):
 
 
 def test_verifying_the_staged_folder_does_not_warn_of_what_the_report_says(gpt2_dir, tmp_path):
-    """Every load of an exact folder names its not-preserved outputs (issue 33 #11); streaming's verification of
+    """Every load of an exact folder names its not-preserved outputs (issue 33 #11); the lazy path's verification of
     the folder it is writing is no user's load: the warning would name the hidden staging folder."""
     import warnings
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        report, _ = stream.convert_folder(gpt2_dir, tmp_path / "out")
+        report, _ = lazy_convert.convert_folder(gpt2_dir, tmp_path / "out")
     assert "hidden_states" in report.not_preserved
     assert [str(w.message) for w in seen if "keeps the original's outputs" in str(w.message)] == []
     with pytest.warns(UserWarning, match="keeps the original's outputs except hidden_states"):

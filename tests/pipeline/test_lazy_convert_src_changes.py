@@ -1,4 +1,4 @@
-"""Issue 33 (18): SRC's weights files rewritten or replaced while a streaming convert reads them: refused,
+"""Issue 33 (18): SRC's weights files rewritten or replaced while a lazy convert reads them: refused,
 nothing written (an OUT mixing old and new tensors would pass as a conversion of either)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from normswap.errors import NormswapError
-from normswap.pipeline import stream
+from normswap.pipeline import lazy_convert
 
 from helpers.tiny import tiny_model
 
@@ -27,17 +27,17 @@ def _replace_by_rename(shard):
 
 
 @pytest.mark.parametrize("change", [_rewrite_in_place, _replace_by_rename])
-def test_src_changed_during_a_streaming_convert_writes_nothing(tmp_path, monkeypatch, change):
+def test_src_changed_during_a_lazy_convert_writes_nothing(tmp_path, monkeypatch, change):
     src = tmp_path / "src"
     tiny_model("gpt2").save_pretrained(src, max_shard_size="50kB")
     shard = sorted(src.glob("*.safetensors"))[-1]
-    real = stream.verify_lazy
+    real = lazy_convert.verify_lazy
 
     def changed_meanwhile(*args, **kw):   # SRC changes after its tensors were copied into OUT
         change(shard)
         return real(*args, **kw)
-    monkeypatch.setattr(stream, "verify_lazy", changed_meanwhile)
+    monkeypatch.setattr(lazy_convert, "verify_lazy", changed_meanwhile)
     with pytest.raises(NormswapError, match=rf"{shard.name} changed while it was read \(rewritten or replaced\): "
                                             "nothing written"):
-        stream.convert_folder(src, tmp_path / "out", method="naive")
+        lazy_convert.convert_folder(src, tmp_path / "out", method="naive")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

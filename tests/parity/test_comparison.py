@@ -200,11 +200,11 @@ def test_cli_eval_json_of_a_nan_model_is_valid_json_and_fails(tmp_path):
 
 
 def test_sample_inputs_without_a_position_limit(tmp_path):
-    """XLNet's max_position_embeddings is -1 (no limit): sample inputs are built, and its folder streams (it
+    """XLNet's max_position_embeddings is -1 (no limit): sample inputs are built, and its folder converts lazily (it
     was a RuntimeError about a negative dimension)."""
     import transformers as tf
     from helpers.exact_models import perturb
-    from normswap.pipeline import stream
+    from normswap.pipeline import lazy_convert
     from normswap.models.inputs import sample_inputs
     torch.manual_seed(0)
     model = perturb(tf.XLNetLMHeadModel(tf.XLNetConfig(vocab_size=101, d_model=32, n_layer=2, n_head=4,
@@ -212,7 +212,7 @@ def test_sample_inputs_without_a_position_limit(tmp_path):
     assert model.config.max_position_embeddings == -1
     assert [x["input_ids"].shape[-1] for x in sample_inputs(model)] == [16, 33]
     model.save_pretrained(tmp_path / "src")
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out")
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out")
     assert report.converted and parity.max_rel > 0   # naive (XLNet is post-LN), reported
 
 
