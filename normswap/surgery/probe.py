@@ -29,6 +29,10 @@ class NotLayerNorm(Exception):
     """The module does not compute a LayerNorm over the last dimension (message: why)."""
 
 
+class Broken(NotLayerNorm):
+    """The module gives NaN/inf on ordinary inputs (eps < 0, say): a broken model, not a module of another kind."""
+
+
 @dataclass
 class Probed:
     gain: torch.Tensor          # float64, effective
@@ -113,7 +117,7 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
         raise NotLayerNorm(f"fails on a tensor of shape (..., {d}) alone: not a last-dimension norm "
                            "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
-        raise NotLayerNorm(NONFINITE)
+        raise Broken(NONFINITE)
     b = (y[0] + y[1]) / 2   # the normalised part is odd in x: LN(x) + LN(-x) = 2b
     gain = ((y[1:4] - b) * z).sum(0) / z.pow(2).sum(0)   # least squares per feature, a(big) ~ 1
     if not gain.abs().max() > 0:
