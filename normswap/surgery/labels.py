@@ -11,8 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
 
 from normswap.errors import Choice, NormswapError
+
+LabelKind = Literal["layer", "norm", "param", "scale", "entry"]
+UserKind = Literal["module", "operation", "attention", "output", "reader"]
 
 
 class Label(str):
@@ -22,9 +26,9 @@ class Label(str):
     or an opaque value entering a block ("entry"). Its text: "<kind>:<name>", plus "#<axis>"."""
 
     __slots__ = ("kind", "name", "axis")
-    KINDS = ("layer", "norm", "param", "scale", "entry")
+    KINDS = get_args(LabelKind)
 
-    def __new__(cls, kind: str, name: str, axis: int | None = None) -> Label:
+    def __new__(cls, kind: LabelKind, name: str, axis: int | None = None) -> Label:
         if kind not in cls.KINDS:
             raise ValueError(f"not a label kind: {kind}")
         self = super().__new__(cls, f"{kind}:{name}" + ("" if axis is None else f"#{axis}"))
@@ -46,7 +50,7 @@ class Label(str):
         """The label as messages name it: its name, with "#<axis>" for a parameter's other dim."""
         return self.name if self.axis is None else f"{self.name}#{self.axis}"
 
-    def of(self, kind: str) -> Label:
+    def of(self, kind: LabelKind) -> Label:
         """The same name and axis as another kind (a scale's parameter, a parameter's scale)."""
         return Label(kind, self.name, self.axis)
 
@@ -57,7 +61,7 @@ class User:
     name, `where` the module it ran in), nn.MultiheadAttention ("attention", `where`), the model's output
     ("output": `name` "" for the main one, else its dotted name) or a layer reading a norm ("reader")."""
 
-    kind: str
+    kind: UserKind
     name: str = ""
     cls: str = ""
     where: str = ""
