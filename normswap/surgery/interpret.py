@@ -167,7 +167,7 @@ def install_fixes(model: nn.Module, fixes: dict, inputs: list[str]) -> None:
 
 def output_fix(model: nn.Module, step: Fix) -> tuple[bool, torch.Tensor | None]:
     """(centre, bias kept after the module) of a fix step; the norm's bias is read now, before the swap."""
-    b = None if not step.norm else model.get_submodule(step.norm).bias.detach().double()
+    b = None if step.norm is None else model.get_submodule(step.norm).bias.detach().double()
     return step.centre, None if b is None else b - b.mean() if step.centre else b
 
 

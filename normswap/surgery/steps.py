@@ -55,7 +55,7 @@ Target = Module | Param
 class Centre:
     target: Target
     group: int = 0         # channels per group along the output dim (0: all of them)
-    ranges: tuple = ()     # ((start, stop), ...) centred one by one, the other channels kept
+    ranges: tuple[tuple[int, int], ...] = ()   # ((start, stop), ...) centred one by one, the other channels kept
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ class Scale:
 
 @dataclass(frozen=True)
 class Fix:
-    target: str            # the module whose output (or input) is fixed
-    norm: str = ""         # the norm whose bias is kept after it ("": none)
-    centre: bool = False   # centre the output too
-    at_input: bool = False  # centre its first input instead (an opaque sum entering a block)
+    target: str               # the module whose output (or input) is fixed
+    norm: str | None = None   # the norm whose bias is kept after it (None: no bias)
+    centre: bool = False      # centre the output too
+    at_input: bool = False    # centre its first input instead (an opaque sum entering a block)
 
 
 Step = Centre | Fold | Scale | Fix
