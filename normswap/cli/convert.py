@@ -21,7 +21,7 @@ def convert(src, out, opts: Shared, options: ConvertOptions):
     for w in result.notices:  # on stderr, whatever the output format
         warn(w)
     if not report.converted:
-        skipped = [f"{s['name']} ({s['cls']}): {s['reason']}" for s in report.skipped]
+        skipped = [f"{s.name} ({s.cls}): {s.reason}" for s in report.skipped]
         why = f"; {len(skipped)} skipped: {'; '.join(skipped[:3])}" if skipped else ""
         more = f" +{len(skipped) - 3} more" if len(skipped) > 3 else ""
         msg = (f"nothing to convert: {src} has no LayerNorm normswap can convert "

@@ -84,10 +84,16 @@ def load_model(src: str | os.PathLike, options: LoadOptions | None = None, **key
         raise
     except Exception as e:  # transformers raises many types; users get one line
         msg = first_line(e, type(e).__name__)
-        if not trust_remote_code and (local and "auto_map" in read_config(where) or "trust_remote_code" in str(e)):
+        if not trust_remote_code and (local and "auto_map" in read_config(where) or asks_for_remote_code(e)):
             msg = "it ships its own Python code (auto_map), which normswap runs only with `trust_remote_code=True`"
         raise NormswapError(f"cannot load model from {src}: {msg}") from None
     return model.eval(), load_tokenizer(where, local, trust_remote_code)
+
+
+def asks_for_remote_code(e: Exception) -> bool:
+    """Whether transformers refused to load a model for want of `trust_remote_code` (a Hub model shipping its
+    own code). It raises a plain ValueError and says so only in its text: this is the one place that reads it."""
+    return "trust_remote_code" in str(e)
 
 
 def load_tokenizer(where: str, local: bool = True, trust_remote_code: bool = False, config=None):

@@ -26,6 +26,7 @@ from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.inputs.examples import batches_of, check_examples, model_inputs
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
+from normswap.norms import NormType
 from normswap.models.source import Source, check_code, read_folder, read_source, source_folder
 from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
@@ -33,10 +34,11 @@ from normswap.pipeline.options import ConvertOptions
 from normswap.pipeline.lazy_convert import convert_folder, lazily_convertible
 from normswap.surgery.convert import convert
 from normswap.surgery.exact import auto_or_naive
-from normswap.surgery.probe import NONFINITE
+from normswap.surgery.methods import Method
 from normswap.surgery.report import ConversionReport
 from normswap.surgery.rotate import RotationReport, rotate
-from normswap.surgery.verification import VerificationFailed, broken_source, refuse_nonfinite
+from normswap.surgery.verification import broken_source, refuse_nonfinite
+from normswap.surgery.walk import Skip
 from normswap.textdata import read_texts
 
 DEFAULTS = ConvertOptions()   # frozen
@@ -85,7 +87,7 @@ def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
 
 def _heal_texts(o: ConvertOptions) -> list[str] | None:
     """The text `finetune_steps` heals on; refused where there is none, or nothing a heal could bring back."""
-    if o.finetune_steps and o.method == "exact" and o.to == "rmsnorm":
+    if o.finetune_steps and o.method == Method.EXACT and o.to == NormType.RMSNORM:
         raise NormswapError("`finetune_steps` heals a model the conversion changed, and `method='exact'` keeps "
                             "the original's outputs: healing could only move them away; drop `finetune_steps`, or "
                             "use `method='naive'` or `method='auto'` (which heals only where it falls back to naive)")
@@ -98,7 +100,7 @@ def _heal_texts(o: ConvertOptions) -> list[str] | None:
 
 def _exact(report: ConversionReport) -> bool:
     """An RMSNorm conversion that kept the original's outputs (verified): nothing for a heal to bring back."""
-    return report.method == "exact" and report.to == "rmsnorm"
+    return report.method == Method.EXACT and report.to == NormType.RMSNORM
 
 
 def _check_rotate(o: ConvertOptions) -> None:
@@ -108,10 +110,10 @@ def _check_rotate(o: ConvertOptions) -> None:
             raise NormswapError(f"`{'seed' if o.seed is not None else 'rotate_method'}` is used only with "
                                 "`rotate=True`")
         return
-    if o.method != "exact":
+    if o.method != Method.EXACT:
         raise NormswapError("`rotate=True` needs `method='exact'`: a rotation keeps the outputs only of a model "
                             "converted exactly")
-    if o.to != "rmsnorm":
+    if o.to != NormType.RMSNORM:
         raise NormswapError("`rotate=True` needs `to='rmsnorm'`: pRMSNorm's RMS over a few features does not "
                             "commute with a rotation")
 
@@ -119,7 +121,7 @@ def _check_rotate(o: ConvertOptions) -> None:
 def _refuse_broken(src: str, report: ConversionReport) -> None:
     """Nothing converted because the norms are broken (NaN/inf on ordinary inputs, e.g. eps < 0): an error
     saying so, not "nothing to convert" (a model with no LayerNorm)."""
-    broken = [s["name"] for s in report.skipped if s["reason"] == NONFINITE]
+    broken = [s.name for s in report.skipped if s.cause is Skip.BROKEN]
     if broken and not report.converted:
         more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
         raise NormswapError(f"{src}: {len(broken)} LayerNorm-like modules ({', '.join(broken[:3])}{more}) give "
@@ -137,8 +139,8 @@ def _lazily(source: Source, out: str, o: ConvertOptions, examples: list | None) 
         _refuse_broken(source.text, report)
         return ConvertResult(report, parity, out if report.converted else None, streamed=True)
     # a failed verification wrote nothing and left the source untouched: under auto, convert it again naively
-    return auto_or_naive(o.method, lambda: run(o.method), lambda: run("naive"),
-                         lambda result: result.report.warnings, VerificationFailed)
+    return auto_or_naive(o.method, lambda: run(o.method), lambda: run(Method.NAIVE),
+                         lambda result: result.report.warnings)
 
 
 def _load(src: str, o: ConvertOptions, device: torch.device) -> tuple:
@@ -152,10 +154,10 @@ def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokeniz
     edits) loads the source again and converts that naively."""
     def naively() -> tuple:
         fresh, tok = _load(src, o, device)
-        return fresh, tok, convert(fresh, to=o.to, method="naive", p=o.p)
+        return fresh, tok, convert(fresh, to=o.to, method=Method.NAIVE, p=o.p)
     return auto_or_naive(o.method, lambda: (model, tokenizer, convert(model, to=o.to, method=o.method, p=o.p,
                                                                       example_inputs=examples)),
-                         naively, lambda converted: converted[2].warnings, VerificationFailed)
+                         naively, lambda converted: converted[2].warnings)
 
 
 def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFAULTS) -> ConvertResult:

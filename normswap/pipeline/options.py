@@ -14,7 +14,8 @@ from normswap.healing.options import HealOptions
 from normswap.io import safetensors
 from normswap.models.load import LoadOptions
 from normswap.export.onnx import graph_dtype
-from normswap.surgery.convert import METHODS
+from normswap.norms import NormType
+from normswap.surgery.methods import Method
 
 DEVICE = dict(flag="--device", show_default=True, help="auto (CUDA when available), cpu, cuda, cuda:N.")
 OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote it (or it is empty).",
@@ -25,10 +26,10 @@ OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote 
 @dataclass(frozen=True)
 class ConvertOptions:
     """Everything `convert_checkpoint` does besides naming SRC and OUT (`normswap convert`'s options)."""
-    to: str = field(default="rmsnorm", metadata=dict(   # "rmsnorm" | "prmsnorm"
-        flag="--to", choices=("rmsnorm", "prmsnorm"), required=True))
-    method: str = field(default="auto", metadata=dict(   # "auto" | "exact" | "naive"
-        flag="--method", choices=tuple(sorted(METHODS)), show_default=True))
+    to: str = field(default="rmsnorm", metadata=dict(   # a NormType
+        flag="--to", choices=NormType.values(), required=True))
+    method: str = field(default="auto", metadata=dict(   # a Method
+        flag="--method", choices=Method.values(), show_default=True))
     p: float | None = field(default=None, metadata=dict(   # pRMSNorm fraction (default 0.0625)
         flag="--p", type=float, help="pRMSNorm fraction of features (default 0.0625)."))
     load: LoadOptions = LoadOptions()     # dtype, trust_remote_code, allow_missing_weights

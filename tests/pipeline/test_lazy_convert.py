@@ -22,6 +22,7 @@ from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact
+from normswap.surgery.steps import Centre
 
 NS_INDEX = "model.safetensors.index.normswap.json"   # a converted folder's weights: the "normswap" variant
 
@@ -79,7 +80,7 @@ def test_broken_plan_fails_verification_and_writes_nothing(tmp_path, monkeypatch
 
     def no_centring(model, sites, inputs=None):  # forget to centre the stream writers: no longer exact
         p = real(model, sites, inputs)
-        return dataclasses.replace(p, steps=[s for s in p.steps if s.op != "centre"])
+        return dataclasses.replace(p, steps=[s for s in p.steps if not isinstance(s, Centre)])
 
     monkeypatch.setattr(exact, "plan", no_centring)
     with pytest.raises(NormswapError, match="failed verification"):

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from normswap.surgery.probe import confirm, estimate, snap
-from normswap.surgery.probe.runner import NONFINITE, NotLayerNorm
+from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm
 
-__all__ = ["NONFINITE", "NotLayerNorm", "Probed", "probe"]
+__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "probe"]
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from normswap.surgery.probe.runner import NONFINITE, NotLayerNorm, call, copies
+from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm, call, copies
 
 SCALES = [10.0 ** -k for k in range(0, 9)]     # row scales that locate eps in [~1e-17, ~1]
 
@@ -53,7 +53,7 @@ def estimate(module: nn.Module, d: int, g: torch.Generator) -> Estimate:
         raise NotLayerNorm(f"fails on a tensor of shape (..., {d}) alone: not a last-dimension norm "
                            "(channels-first? extra arguments?)")
     if not torch.isfinite(y).all():
-        raise NotLayerNorm(NONFINITE)
+        raise Broken(NONFINITE)
     b = (y[0] + y[1]) / 2   # the normalised part is odd in x: LN(x) + LN(-x) = 2b
     gain = ((y[1:4] - b) * z).sum(0) / z.pow(2).sum(0)   # least squares per feature, a(big) ~ 1
     if not gain.abs().max() > 0:

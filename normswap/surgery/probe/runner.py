@@ -14,6 +14,10 @@ class NotLayerNorm(Exception):
     """The module does not compute a LayerNorm over the last dimension (message: why)."""
 
 
+class Broken(NotLayerNorm):
+    """The module gives NaN/inf on ordinary inputs (eps < 0, say): a broken model, not a module of another kind."""
+
+
 def copies(module: nn.Module):
     """Copies of module to probe (never the module: its state and hooks stay untouched), float64 first."""
     ref = next(module.parameters(), None)
