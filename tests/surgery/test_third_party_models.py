@@ -16,6 +16,9 @@ import normswap
 from normswap.errors import NormswapError
 from normswap.parity import tensors_in
 
+pytestmark = pytest.mark.slow   # timm, torchvision and open_clip models, traced and verified
+
+
 VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
 
 
