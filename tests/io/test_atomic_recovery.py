@@ -79,7 +79,6 @@ def test_users_look_alike_folders_are_never_touched(tmp_path, converted, out_exi
     assert {name: snapshot(tmp_path / name) for name in mine} == mine
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("when", ["swap", "writing"])
 def test_a_killed_run_is_recovered_and_users_folders_kept(tmp_path, converted, when):
     out = tmp_path / "m"
@@ -129,7 +128,6 @@ def test_out_where_src_symlinks_point_is_refused(tmp_path, gpt2_dir):
     assert snapshot(blobs) == before
 
 
-@pytest.mark.slow
 def test_killed_right_after_the_exchange_leaves_the_new_out(tmp_path, converted):
     """Issue 33 (17): OUT is the old or the new folder at every instant: killed just after the swap, OUT is the
     new one, and the old one (under the journaled temp name) goes at the next write."""
