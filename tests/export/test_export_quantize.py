@@ -24,6 +24,9 @@ from normswap.export import validate  # noqa: E402
 from normswap.export.report import ExportReport  # noqa: E402
 
 
+pytestmark = pytest.mark.slow   # ONNX exports, then int8 quantization measured
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(the model, its folder, the JSON report of `normswap export -o DIR --quantize int8`: with the past)."""

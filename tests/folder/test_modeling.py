@@ -72,6 +72,7 @@ def run_without_normswap(tmp_path, jobs: dict) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
+@pytest.mark.slow
 def test_loads_without_normswap_exactly(tmp_path, monkeypatch):
     # The template repeats the PyTorch path's arithmetic; the fused CPU kernel rounds differently (~5e-7).
     monkeypatch.setenv("NORMSWAP_BACKEND", "torch")

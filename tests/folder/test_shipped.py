@@ -20,6 +20,8 @@ from helpers.plain import OTHER_VERSION, check_loads, convert_all, plain_transfo
 from helpers.reload_models import MAKERS
 from surgery.test_trace import MODELS
 
+pytestmark = pytest.mark.slow   # every exact family converted, then loaded in a child process
+
 # Every exact family the tests convert: exact_models', the traced ones and the plans with input fixes.
 CASES = {**{name: (lambda n=name: build(n)) for name in FAMILIES},
          **{f"traced-{name}": (lambda m=make: perturb(m()).eval()) for name, (make, _) in MODELS.items()},

@@ -119,6 +119,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_lazy_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
     """Holding the model (as loading it does) needs its size; the lazy path stays under half of it."""
     import transformers
@@ -136,6 +137,7 @@ def test_lazy_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
     assert peak < size / 2, (peak, size)
 
 
+@pytest.mark.slow
 def test_cli_converts_a_speech_model_lazily_with_its_ctc_head(tmp_path):
     """wav2vec2 (stable layer norm): sample waveforms from the config, the CTC head loaded (AutoModelForCTC),
     and the lazily converted folder bit-identical to the in-memory conversion."""
@@ -217,6 +219,7 @@ def test_tied_tensors_stored_with_different_values_are_not_converted_lazily(tmp_
     assert compare(original, normswap.from_pretrained(tmp_path / "out")).max_rel < 1e-4
 
 
+@pytest.mark.slow
 def test_a_folder_transformers_transforms_converts_in_memory(tmp_path):
     """PhiMoE (LayerNorm, experts stored one by one and merged by transformers when loading) converts only in
     memory; the CLI said "load the model in memory instead" and exited 1, with no way to do that from the CLI."""
@@ -257,6 +260,7 @@ def _heads():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-classifier", "gpt2-classifier-no-pad", "opt-question-answering",
                                   "wav2vec2-classifier", "bert-masked-lm"])
 def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
@@ -279,6 +283,7 @@ def test_any_head_loads_with_its_own_class_and_converts(tmp_path, name):
     assert parity.max_rel <= 1e-5 if method == "exact" else parity.max_rel > 1e-2
 
 
+@pytest.mark.slow
 def test_a_decoder_that_cross_attends_converts_lazily_and_exactly(tmp_path):
     """The lazy path has no weights for a trial forward: whether MusicGen's decoder takes encoder states is
     checked on a meta skeleton, so its cross-attention norms are traced as in memory."""

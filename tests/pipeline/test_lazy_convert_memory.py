@@ -16,6 +16,9 @@ from helpers.exact_models import perturb
 
 from normswap.io import safetensors as shards
 
+pytestmark = pytest.mark.slow   # a child process converting a checkpoint under a memory budget
+
+
 MB = 1 << 20
 CHILD = textwrap.dedent("""
     import sys

@@ -17,6 +17,9 @@ from normswap.parity import tensors_in
 from normswap.surgery.labels import Cause, NotExact
 from normswap.surgery.walk import Skip
 
+pytestmark = pytest.mark.slow   # timm, torchvision and open_clip models, traced and verified
+
+
 VIT = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=10)
 
 
