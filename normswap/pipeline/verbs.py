@@ -120,6 +120,12 @@ def rotate(model: nn.Module | PathLike, out: PathLike | None = None, options: Ro
     return rotate_model(model, o.method, o.seed, o.example_inputs)
 
 
+# export_onnx's keywords for a model in memory beyond ExportOptions: validate=False skips onnxruntime's check,
+# external_data_bytes moves weights to model.onnx.data above that size, source (a folder) names the files a
+# deployment folder keeps, saved_fingerprint the digest a saved folder recorded
+IN_MEMORY_EXPORT = ("validate", "external_data_bytes", "source", "saved_fingerprint")
+
+
 def export_onnx(model: nn.Module | PathLike, onnx: PathLike | None = None, options: ExportOptions | None = None, *,
                 out: PathLike | None = None, tokenizer=None, example_inputs=None, fp16: bool | None = None,
                 **keywords) -> ExportReport:
@@ -129,12 +135,17 @@ def export_onnx(model: nn.Module | PathLike, onnx: PathLike | None = None, optio
     config) or a path, loaded as stored (what `normswap export` runs).
 
     options: an ExportOptions, or its fields as keywords: dtype ("fp32" | "fp16"; `fp16=True` is deprecated),
-    target ("ort" | "onnx23"), with_past, opset, quantize, overwrite; for a path also device and `load`.
+    target ("ort" | "onnx23"), with_past, opset, quantize, overwrite; for a path also device and `load`; for a
+    model in memory also IN_MEMORY_EXPORT.
     """
     if onnx is not None:   # the options' `onnx`, given first as the file to write
         keywords["onnx"] = onnx
+    # a model in memory's own settings, not the command's options
+    extra = {k: keywords.pop(k) for k in IN_MEMORY_EXPORT if k in keywords}
     o = options_from(ExportOptions, options, keywords)
     if _is_path(model):
+        if extra:
+            raise NormswapError(f"`{next(iter(extra))}` is for a model in memory; a path is exported as stored")
         if tokenizer is not None or example_inputs is not None or fp16 is not None:
             raise NormswapError("a path is exported with its own tokenizer and inputs, and `dtype`: give neither "
                                 "`tokenizer`, `example_inputs` nor `fp16`")
@@ -145,13 +156,15 @@ def export_onnx(model: nn.Module | PathLike, onnx: PathLike | None = None, optio
     # the deprecated `fp16` alone says the dtype; with `dtype` given too, they must agree (`fp16_graph`)
     dtype = None if fp16 is not None and "dtype" not in keywords and options is None else o.dtype
     if out is None:
+        if "source" in extra:
+            raise NormswapError("`source` names the files a deployment folder keeps: give `out`, not `onnx`")
         return export_file(model, o.onnx, o.target, dtype, bool(o.with_past), o.opset, o.overwrite,
-                           example_inputs=example_inputs, quantize=o.quantize, fp16=fp16)
+                           example_inputs=example_inputs, quantize=o.quantize, fp16=fp16, **extra)
     if example_inputs is not None:
         raise NormswapError("a deployment folder exports a transformers model on its own inputs: leave out "
                             "`example_inputs` (or export a single file with `onnx`)")
     return export_folder(model, out, tokenizer, o.target, dtype, o.with_past, o.opset, o.overwrite,
-                         quantize=o.quantize, fp16=fp16)
+                         quantize=o.quantize, fp16=fp16, **extra)
 
 
 @overload
