@@ -35,6 +35,9 @@ from torch import nn  # noqa: E402
 SKIP_ENV = "NORMSWAP_NO_FINGERPRINT"
 LITERAL_INTS, LITERAL_FLOATS = 4096, 64   # tensors up to this size are stored with their values
 SAMPLES, PROJECTIONS, PROJECTED, MAX_OUTPUTS = 16, 4, 1 << 16, 8
+# Positions a token probe keeps: enough for attention to mix them (a wrong query or key moves the outputs), few
+# enough that the check costs a small share of a load (benchmarks/fingerprint.py).
+PROBE_TOKENS = 4
 FIRST_FORMAT = 4   # sections from this format on record a fingerprint wherever something was converted
 # Relative to an output's RMS. Half precision: another device's kernels move logits by ~1e-2; a wrong model
 # moves them by 1e-1 and more (a missing bias, weights mapped to the wrong names).
@@ -189,10 +192,38 @@ def tolerance(*dtypes: str) -> float:
     return max(TOLERANCE.get(str(d).removeprefix("torch."), TOLERANCE["bfloat16"]) for d in dtypes)
 
 
-def record(model: nn.Module, probe: dict) -> dict:
-    """The section's `fingerprint` for `model` as it is now: the probe and the digest of its output, or, where
-    none can be taken, the probe and why not (`none`; said once, as a warning)."""
+def short(probe: dict) -> dict | None:
+    """The probe cut to its first PROBE_TOKENS positions where it passes token inputs only (keywords, integer
+    tensors of one shape: rows x positions, longer than that); else None."""
+    specs = probe.get("kwargs", {}).get("dict", {})
+    if probe.get("args") != {"tuple": []} or not specs or any("values" not in s for s in specs.values()):
+        return None
+    shapes = {tuple(s["shape"]) if s.get("tensor", "").startswith(("int", "uint", "bool")) and len(s["shape"]) == 2
+              else None for s in specs.values()}
+    if len(shapes) != 1 or None in shapes or next(iter(shapes))[1] <= PROBE_TOKENS:
+        return None
+    batch = decode(probe["kwargs"], "cpu", torch.float32)
+    return {"args": probe["args"], "kwargs": encode({k: v[:, :PROBE_TOKENS] for k, v in batch.items()})}
+
+
+def shortest(model: nn.Module, probe: dict) -> dict:
+    """`short(probe)` where the model runs on it, else `probe`: the check's forward costs a small share of a load,
+    and a model that needs its full length (a fixed block size) keeps it."""
+    cut = short(probe)
+    if cut is None:
+        return probe
     try:
+        run_probe(model, cut)
+    except Exception:   # the model's own forward refuses the shorter input: the recorded length it is
+        return probe
+    return cut
+
+
+def record(model: nn.Module, probe: dict) -> dict:
+    """The section's `fingerprint` for `model` as it is now: the probe (`shortest`) and the digest of its
+    output, or, where none can be taken, the probe and why not (`none`; said once, as a warning)."""
+    try:
+        probe = shortest(model, probe)
         first = digest(run_probe(model, probe, seed=0))
         again = digest(run_probe(model, probe, seed=1))   # another seed: a model that draws random numbers
         if not first:

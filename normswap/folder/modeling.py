@@ -37,6 +37,7 @@ def auto_classes(model_type: str, arch: str) -> dict[str, str]:
     out, anywhere = {}, {}
     for name in dir(modeling_auto):
         mapping = getattr(getattr(modeling_auto, name), "_model_mapping", None)
+        # AutoBackbone is left out: in transformers 5.24 it does not load custom code from a local folder
         if name.startswith("AutoModel") and mapping is not None:
             names = getattr(mapping, "_model_mapping", {})
             if names.get(model_type) == arch:

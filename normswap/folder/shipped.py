@@ -19,6 +19,7 @@ from normswap.folder.portable import FORMAT, InvalidConversion, rebuild
 # ---- shipped from here: the transformers side -----------------------------------------------------------------
 import importlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)
 import importlib.util  # noqa: E402
+import inspect  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -30,6 +31,27 @@ from torch import nn  # noqa: E402
 
 PREFIX = "normswap_"   # config.json's model_type: normswap_<the original's>
 MODELING_FILE = "modeling_normswap.py"
+
+
+def saved_names(model: nn.Module, keys: list[str] | None = None) -> dict[str, str]:
+    """State name -> the key transformers' save_pretrained writes it under, for the names that differ (renamed
+    tensors only: one that transformers converts, e.g. merged experts, keeps its name here)."""
+    from transformers import PreTrainedModel
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:   # a transformers without checkpoint conversions
+        return {}
+    state = model.state_dict(keep_vars=True)
+    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
+                 for k in (state if keys is None else keys)}
+    back = {id(t): k for k, t in stand_ins.items()}
+    try:
+        reverted = revert_weight_conversion(model, dict(stand_ins))
+    except Exception:   # a conversion transformers cannot undo without the values: saved under the model's names
+        return {}
+    return {back[id(t)]: new for new, t in reverted.items() if id(t) in back and back[id(t)] != new}
 
 
 def register_base_mapping(class_name: str, section: dict) -> None:
@@ -159,9 +181,18 @@ class NormswapMixin:
         if kwargs.setdefault("variant", VARIANT) != VARIANT:
             raise InvalidConversion(f"a converted model saves its weights as the '{VARIANT}' variant, "
                                     f"not '{kwargs['variant']}'")
+        given = kwargs.get("state_dict")
+        if "save_original_format" in inspect.signature(super().save_pretrained).parameters:
+            # transformers 5 writes a converted checkpoint's tensors back as the original's (merged experts split,
+            # fused projections unfused), which loaders of this folder do not read: write them as normswap's own
+            # save does (renamed tensors under their names on disk, converted ones as they are in memory)
+            state = self.state_dict() if given is None else given
+            names = saved_names(self, list(state))
+            kwargs["state_dict"] = {names.get(k, k): v for k, v in state.items()}
+            kwargs["save_original_format"] = False
         out = super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
-            finish_folder(self, Path(save_directory), self.normswap_code(), state_dict=kwargs.get("state_dict"))
+            finish_folder(self, Path(save_directory), self.normswap_code(), state_dict=given)
         return out
 
 

@@ -7,29 +7,9 @@ that the shipped modeling_normswap.py finds every module, and reads every tensor
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-from transformers import PreTrainedModel
+from normswap.folder.shipped import saved_names
 
-
-def saved_names(model: nn.Module, keys: list[str] | None = None) -> dict[str, str]:
-    """State name -> the key transformers' save_pretrained writes it under, for the names that differ (renamed
-    tensors only: one that transformers converts, e.g. merged experts, keeps its name here)."""
-    if not isinstance(model, PreTrainedModel):
-        return {}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:   # a transformers without checkpoint conversions
-        return {}
-    state = model.state_dict(keep_vars=True)
-    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
-                 for k in (state if keys is None else keys)}
-    back = {id(t): k for k, t in stand_ins.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(stand_ins))
-    except Exception:   # a conversion transformers cannot undo without the values: saved under the model's names
-        return {}
-    return {back[id(t)]: new for new, t in reverted.items() if id(t) in back and back[id(t)] != new}
+__all__ = ["renamed_modules", "saved_names"]
 
 
 def renamed_modules(saved: dict[str, str]) -> dict[str, str]:

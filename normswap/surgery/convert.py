@@ -36,33 +36,11 @@ def _make_norm(site: NormSite, to: str, p: float | None) -> RMSNorm:
     return new
 
 
-# Positions enough for attention to mix them (a wrong query or key moves the outputs), few enough that the check
-# costs a small share of a load (benchmarks/fingerprint.py).
-PROBE_TOKENS = 4
-
-
-def short_probe(model: nn.Module, batch):
-    """`batch` cut to its first PROBE_TOKENS positions where it holds token inputs only (integer tensors of one
-    shape, rows x positions) and the model runs on that; else `batch` itself."""
-    if not isinstance(batch, dict) or not batch:
-        return batch
-    shapes = {tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() else None
-              for t in batch.values()}
-    if len(shapes) != 1 or None in shapes or next(iter(shapes))[1] <= PROBE_TOKENS:
-        return batch
-    short = {k: v[:, :PROBE_TOKENS] for k, v in batch.items()}
-    try:
-        fingerprint.run_probe(model, {"args": fingerprint.encode(()), "kwargs": fingerprint.encode(short)})
-    except Exception:   # the model's own error: it needs its full length (a fixed block size), keep the batch
-        return batch
-    return short
-
-
 def probe(steps: ExactSteps, model: nn.Module) -> dict:
     """The fingerprint's probe (`io.fingerprint`): the first batch of the inputs the conversion runs on (normswap's
-    first sample, else the user's first example; token inputs cut to their first positions), or why there is none."""
+    first sample, else the user's first example), or why there is none."""
     try:
-        batch = short_probe(model, steps.inputs(model)[0])
+        batch = steps.inputs(model)[0]
     except NoInputs as e:
         return {"none": f"no input to run it on ({first_line(e, strip=True)})"}
     try:

@@ -13,7 +13,6 @@ from torch import nn
 import normswap
 from normswap.folder import fingerprint as fp
 from normswap.folder.schema import FingerprintFailed
-from normswap.surgery.convert import PROBE_TOKENS
 
 from helpers.restore_models import Encoder, TiedLM
 from helpers.tiny import tiny_model
@@ -125,9 +124,9 @@ def test_a_module_folder_records_the_first_example_and_restore_checks_it(tmp_pat
     normswap.save_pretrained(model, tmp_path / "m")
     record = json.loads((tmp_path / "m" / "normswap.json").read_text())
     found = record["fingerprint"]
-    # token ids: the example's first PROBE_TOKENS positions (a forward of a few tokens: a small share of a load)
+    # token ids: the example's first fp.PROBE_TOKENS positions (a forward of a few tokens: a small share of a load)
     kept = fp.decode(found["probe"]["kwargs"], "cpu", torch.float32)["idx"]
-    assert torch.equal(kept, example[:, :PROBE_TOKENS]) and PROBE_TOKENS < example.shape[1]
+    assert torch.equal(kept, example[:, :fp.PROBE_TOKENS]) and fp.PROBE_TOKENS < example.shape[1]
     assert set(found["outputs"]) == {"output"} and found["dtype"] == "float32"
     fresh = normswap.restore(TiedLM(), tmp_path / "m")
     assert torch.equal(fresh(example), model(example))

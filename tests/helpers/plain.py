@@ -17,6 +17,7 @@ import transformers
 from torch import nn
 
 import normswap
+from normswap.errors import NormswapError
 from normswap.models.inputs import sample_inputs
 from normswap.parity import main_output
 
@@ -151,7 +152,7 @@ def check_loads(root: Path, cases: dict) -> list[str]:
     under this major version, in normswap; every way one differs from the original, or loads where the other
     version's original does not, in a line. The main output (logits, else last_hidden_state, else the first)
     must be the original's to the case's tolerance (`convert_all`) of its largest value; under this major
-    version every floating output of plain transformers' load must be normswap's load's to 1e-6 (one
+    version every floating output of plain transformers' load must be normswap's load's to 2e-6 (one
     implementation)."""
     jobs = {str(folder): str(root / f"{name}-inputs.pt") for name, (folder, *_) in cases.items()}
     if OTHER_VERSION:
@@ -173,11 +174,20 @@ def check_loads(root: Path, cases: dict) -> list[str]:
                 k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
                 for outputs in torch.load(f"{base}-original-plain.pt")]
         if "error" in res:
-            failures.append(f"{name}: {res['error']}")
+            # no Auto class builds this class in transformers itself (a text tower alone): plain transformers'
+            # users load it by its class, which the weights variant refuses loudly (tests/models/test_own_save.py)
+            unmapped = res["error"].startswith("LookupError: its auto_map offers no Auto class") and \
+                set(json.loads((folder / "config.json").read_text())["auto_map"]) == {"AutoConfig"}
+            if not unmapped:
+                failures.append(f"{name}: {res['error']}")
             continue
         assert res["cls"].startswith("Normswap"), name
         plain = torch.load(f"{folder}-plain.pt")
-        ours = None if OTHER_VERSION else normswap.from_pretrained(folder)
+        try:
+            ours = None if OTHER_VERSION else normswap.from_pretrained(folder)
+        except NormswapError as e:   # refused in normswap: said, and the other folders still checked
+            failures.append(f"{name}: normswap refuses it ({str(e).splitlines()[0][:300]})")
+            continue
         # relative to the output's largest value over all batches: one batch's near-cancelling value (CLIP's
         # 64-token row: a cosine of 0.005) would make a 1-ulp difference look large
         scale = max(ref.abs().max().item() for ref in want)
@@ -206,5 +216,5 @@ def check_loads(root: Path, cases: dict) -> list[str]:
         # (a batch's outputs may have fields another's lack: Gemma3's image_outputs with pixels only)
         scales = {k: max(m[k].abs().max().item() for m in mines if k in m) for m0 in mines for k in m0}
         failures += [f"{name}: {k} off by {off:.3g} against normswap's load" for mine, outputs in zip(mines, plain)
-                     for k in mine if (off := (outputs[k] - mine[k]).abs().max().item() / max(scales[k], 1e-30)) > 1e-6]
+                     for k in mine if (off := (outputs[k] - mine[k]).abs().max().item() / max(scales[k], 1e-30)) > 2e-6]
     return failures
