@@ -54,6 +54,22 @@ def saved_names(model: nn.Module, keys: list[str] | None = None) -> dict[str, st
     return {back[id(t)]: new for new, t in reverted.items() if id(t) in back and back[id(t)] != new}
 
 
+def split_on_save(model: nn.Module, keys: list[str]) -> bool:
+    """Whether transformers' save would write some of these tensors as other tensors than renamed copies
+    (merged MoE experts split, fused projections unfused): what normswap's loaders do not read."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:   # a transformers without checkpoint conversions
+        return False
+    state = model.state_dict(keep_vars=True)
+    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta") for k in keys if k in state}
+    try:
+        reverted = revert_weight_conversion(model, dict(stand_ins))
+    except Exception:   # a conversion transformers cannot undo without the values: one that makes new tensors
+        return True
+    return {id(t) for t in reverted.values()} != {id(t) for t in stand_ins.values()}
+
+
 def register_base_mapping(class_name: str, section: dict) -> None:
     """transformers 5 renames a checkpoint's tensors on load and save by the class's or its model_type's
     conversion mapping, but not for custom code: the original architecture's, registered for `class_name` (a
@@ -182,11 +198,12 @@ class NormswapMixin:
             raise InvalidConversion(f"a converted model saves its weights as the '{VARIANT}' variant, "
                                     f"not '{kwargs['variant']}'")
         given = kwargs.get("state_dict")
-        if "save_original_format" in inspect.signature(super().save_pretrained).parameters:
+        state = self.state_dict() if given is None else given
+        if "save_original_format" in inspect.signature(super().save_pretrained).parameters and \
+                split_on_save(self, list(state)):
             # transformers 5 writes a converted checkpoint's tensors back as the original's (merged experts split,
             # fused projections unfused), which loaders of this folder do not read: write them as normswap's own
             # save does (renamed tensors under their names on disk, converted ones as they are in memory)
-            state = self.state_dict() if given is None else given
             names = saved_names(self, list(state))
             kwargs["state_dict"] = {names.get(k, k): v for k, v in state.items()}
             kwargs["save_original_format"] = False

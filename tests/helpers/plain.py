@@ -55,7 +55,8 @@ for folder, inputs_file in jobs.items():
     config = json.load(open(folder + "/config.json"))
     arch = config["architectures"][0]
     if "auto_map" in config:   # a converted folder: the Auto class its auto_map offers
-        auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch))
+        auto = sorted(k for k, v in config["auto_map"].items() if k != "AutoConfig" and v.endswith("." + arch)
+                      and hasattr(transformers, k))   # one this transformers has (AutoModelForMultimodalLM: 5.x)
         auto = auto[0] if auto else None
     else:                      # an original: its own class
         auto = arch
@@ -170,9 +171,16 @@ def check_loads(root: Path, cases: dict) -> list[str]:
                 failures.append(f"{name}: loads where its original does not ({got[f'{base}-original']})")
             continue
         if OTHER_VERSION:   # that version's own original (ESM's differs from 5.x's on padded rows)
+            ours_want = want
             want = [next(o for k, o in outputs.items() if k in ("logits", "last_hidden_state")) if any(
                 k in outputs for k in ("logits", "last_hidden_state")) else next(iter(outputs.values()))
                 for outputs in torch.load(f"{base}-original-plain.pt")]
+            # where that version computes another function than this one's for the same weights (PhiMoE, Aria),
+            # the fingerprint recorded here may refuse the folder there: a refusal, not another model
+            changed = max((a.double() - b).abs().max().item() for a, b in zip(want, ours_want)) / max(
+                b.abs().max().item() for b in ours_want) > tolerance
+            if changed and "FingerprintMismatch" in res.get("error", ""):
+                continue
         if "error" in res:
             # no Auto class builds this class in transformers itself (a text tower alone): plain transformers'
             # users load it by its class, which the weights variant refuses loudly (tests/models/test_own_save.py)
