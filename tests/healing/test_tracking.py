@@ -42,9 +42,8 @@ def test_held_out_windows_are_spread_and_never_trained_on():
 def test_held_out_value_is_the_kl_to_the_teacher(pair, tok):
     """The step-0 value is the mean per-position KL(teacher || student) over the held-out windows."""
     teacher, student = pair
-    options = HealOptions(eval_every=1, eval_windows=4, seq_len=32, batch_size=4)
-    report = normswap.heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, options=options, steps=1,
-                           progress=False)
+    options = HealOptions(eval_every=1, eval_windows=4, seq_len=32, batch_size=4, steps=1)
+    report = normswap.heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, options=options, progress=False)
     _, held = hold_out(joined_ids(tok, TRAIN), options, tok, 32)
     with torch.no_grad():
         lt = teacher(input_ids=held).logits.double().log_softmax(-1)
