@@ -199,6 +199,7 @@ def one(model_type: str) -> dict:
     from normswap.errors import NormswapError
     from normswap.models.inputs import sample_inputs
     from normswap.parity import compare_to, reference_outputs
+    from normswap.surgery.walk import Skip
     sys.path.insert(0, str(HERE.parent / "tests"))
     from helpers.exact_models import perturb
 
@@ -230,7 +231,7 @@ def one(model_type: str) -> dict:
     if report.method != "exact":
         why = next((w for w in report.warnings if "exact" in w), "; ".join(report.warnings))
         return {**row, "outcome": "naive", "why": why}
-    kept = [s["name"] for s in report.skipped if s["reason"].startswith("kept as it is")]
+    kept = [s.name for s in report.skipped if s.cause is Skip.KEPT]
     row.update(converted=report.num_converted, kept=kept, declared=sorted(report.unverified))
     errors = {}
     with tempfile.TemporaryDirectory() as tmp:

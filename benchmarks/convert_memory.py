@@ -29,7 +29,7 @@ SIZES = {"medium": dict(n_layer=24, n_embd=1024, n_head=16), "xl": dict(n_layer=
          "small": dict(n_layer=12, n_embd=768, n_head=12)}
 # Each child prints its RSS once the libraries are imported, before any weight is read: `used` is the
 # peak above that (what converting costs, without the ~0.4 GB Python + torch + transformers take).
-BASELINE = ("import sys, psutil, normswap, normswap.pipeline.stream, transformers.models.gpt2.modeling_gpt2; "
+BASELINE = ("import sys, psutil, normswap, normswap.pipeline.lazy_convert, transformers.models.gpt2.modeling_gpt2; "
             "print('BASELINE', psutil.Process().memory_info().rss, flush=True); ")
 API = BASELINE + ("m, t = normswap.load_model(sys.argv[1]); normswap.convert(m, method='exact'); "
                   "normswap.save_pretrained(m, sys.argv[2], tokenizer=t)")

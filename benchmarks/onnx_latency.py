@@ -88,7 +88,8 @@ def bench(name: str, args, tmp: Path) -> dict:
     paths, reports = {}, {}
     for key, model in (("layernorm", original), ("rmsnorm", converted)):
         paths[key] = tmp / f"{name}-{key}.onnx"
-        reports[key] = normswap.export_onnx(model, paths[key], target=args.target, fp16=args.fp16)
+        reports[key] = normswap.export_onnx(model, paths[key], target=args.target,
+                                            dtype="fp16" if args.fp16 else "fp32")
     inputs = feed(original.config.vocab_size, args.batch, args.seq)
     sessions = {k: session(p, threads=args.threads) for k, p in paths.items()}
     lat = interleaved(sessions, inputs, args.runs)

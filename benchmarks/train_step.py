@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import transformers
 
     import normswap
-    from normswap.surgery.fuse import fuse_residual_norms
+    from normswap.surgery.add_norm import fuse_residual_norms
 
     if args.quick:
         args.batch, args.seq, args.steps, args.warmup = 2, 256, 3, 2

@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from contextlib import contextmanager
+from enum import Enum
 
 _NAMED = re.compile(r"`([^`]+)`")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")   # C0 (newline, ESC of ANSI sequences), DEL and C1
@@ -21,6 +22,19 @@ def printable(text: str) -> str:
     """`text` safe for one terminal line: control characters (newlines, ANSI escapes) shown as `\\xNN`, so
     a name from a file can neither break a line nor restyle the terminal."""
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+class Choice(str, Enum):
+    """One of an option's allowed values (a method, a target norm): a str, equal to the string a caller passes
+    (`Method("auto") == "auto"`), that prints and serialises as that string, in messages and JSON alike."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """The allowed strings, in their order of definition."""
+        return tuple(m.value for m in cls)
 
 
 class NormswapError(Exception):

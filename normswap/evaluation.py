@@ -20,8 +20,8 @@ from normswap.models.introspect import is_causal_lm
 from normswap.models.modes import eval_mode
 from normswap.parity import compare, json_safe, nonnegative, scope, token_kl
 from normswap.progress import bar
-from normswap.textdata import max_positions, sentences, token_stream
-from normswap.io.shipped import original_class
+from normswap.textdata import joined_ids, max_positions, sentences
+from normswap.folder.shipped import original_class
 
 
 @dataclass
@@ -119,7 +119,7 @@ def windows(n: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def _causal(model, tokenizer, texts, reference, seq_len, stride, batch_size, show_progress) -> EvalReport:
-    ids = token_stream(tokenizer, texts)
+    ids = joined_ids(tokenizer, texts)
     if len(ids) < 2:
         raise NormswapError("the text has fewer than 2 tokens: nothing to score")
     limit = max_positions(model) or 1024

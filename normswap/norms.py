@@ -5,6 +5,15 @@ import torch
 from torch import nn
 
 from normswap import ops
+from normswap.errors import Choice
+
+
+class NormType(Choice):
+    """What a LayerNorm becomes (`convert(to=...)`, a saved norm's "type"): RMSNorm, or pRMSNorm (the RMS
+    estimated from the first features)."""
+
+    RMSNORM = "rmsnorm"
+    PRMSNORM = "prmsnorm"
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +73,7 @@ def _width(normalized_shape) -> int:
 
 def norm_spec(module: RMSNorm) -> dict:
     """What rebuilds `module` (recorded in config.normswap, read back by `build_norm`)."""
-    return {"type": "prmsnorm" if isinstance(module, PartialRMSNorm) else "rmsnorm",
+    return {"type": (NormType.PRMSNORM if isinstance(module, PartialRMSNorm) else NormType.RMSNORM).value,
             "width": module.normalized_shape, "eps": module.eps, "p": module.p,
             "affine": module.elementwise_affine}
 
@@ -74,7 +83,7 @@ def build_norm(spec: dict, like: nn.Module) -> RMSNorm:
     ref = getattr(like, "weight", None)
     kw = dict(eps=spec["eps"], elementwise_affine=spec["affine"],
               **(dict(device=ref.device, dtype=ref.dtype) if ref is not None else {}))
-    if spec["type"] == "prmsnorm":
+    if spec["type"] == NormType.PRMSNORM:
         return PartialRMSNorm(spec["width"], p=spec["p"], **kw)
     return RMSNorm(spec["width"], **kw)
 

@@ -33,8 +33,8 @@ def read_texts(paths) -> list[str]:
         if f.exists() and not f.is_file():   # /dev/zero, a pipe: they never end, or end once read
             raise NormswapError(f"{f} is not a regular file: pass plain text files")
         try:
-            with open(f, "rb") as stream:   # a binary file is refused from its start, not once wholly read
-                if _binary(stream.read(1 << 16).decode("utf-8", errors="ignore")):
+            with open(f, "rb") as file:   # a binary file is refused from its start, not once wholly read
+                if _binary(file.read(1 << 16).decode("utf-8", errors="ignore")):
                     raise NormswapError(f"{f} is not text (NUL or control bytes): pass plain text files")
             text = f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
@@ -57,7 +57,7 @@ def _binary(text: str) -> bool:
     return sum(c < " " and c not in "\t\n\r\f\v" for c in sample) > len(sample) / 10
 
 
-def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+def joined_ids(tokenizer, texts: list[str]) -> torch.Tensor:
     """All texts tokenized without special tokens, joined by EOS where the tokenizer has one."""
     if tokenizer is None:
         raise NormswapError("no tokenizer: the model folder needs its tokenizer files")

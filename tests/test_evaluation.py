@@ -14,7 +14,7 @@ import normswap
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.evaluation import evaluate, windows
-from normswap.textdata import token_stream
+from normswap.textdata import joined_ids
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def _by_hand(model, ids, context_start: dict[int, int], reference=None):
 
 def test_sliding_window_perplexity_matches_hand_computation(lm, tok):
     sample = "She was not at the house."
-    ids = token_stream(tok, [sample])
+    ids = joined_ids(tok, [sample])
     assert len(ids) == 9  # 8 tokens + EOS with this tokenizer
     # seq_len 4, stride 2 over 9 tokens: windows [0,4) [2,6) [4,8) [6,9); each scores only new tokens,
     # so token t is predicted from ids[start:t] with these starts:
@@ -59,7 +59,7 @@ def test_sliding_window_perplexity_matches_hand_computation(lm, tok):
 
 
 def test_single_window_is_plain_causal_perplexity(lm, tok):
-    ids = token_stream(tok, ["Emma said she would walk."])
+    ids = joined_ids(tok, ["Emma said she would walk."])
     n = len(ids)
     nll, _ = _by_hand(lm, ids, {t: 0 for t in range(1, n)})
     rep = evaluate(lm, tok, ["Emma said she would walk."], seq_len=n, stride=n - 1)

@@ -98,7 +98,7 @@ def test_output_is_contiguous_like_layernorm(monkeypatch, backend):
     """A norm's output is contiguous whatever its input's strides, as nn.LayerNorm's is: models .view() it
     (Idefics3's pixel shuffle after a stream laid out (batch, channels, tokens) by a conv stem). The
     normswap op, its torch path and the portable module of converted folders alike."""
-    from normswap.io import portable
+    from normswap.folder import portable
     monkeypatch.setenv("NORMSWAP_BACKEND", backend)
     x = torch.randn(2, 32, 16).transpose(1, 2)          # (2, 16, 32), strides (512, 1, 16)
     w = torch.rand(32) + 0.5

@@ -18,6 +18,7 @@ def test_a_device_is_refused_as_data():
         textdata.read_texts(["/dev/zero"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes")
 def test_a_pipe_nobody_writes_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "fifo"

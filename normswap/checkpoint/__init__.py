@@ -2,7 +2,7 @@
 weights from the files only while they run (`lazy`). A lazy facade."""
 from normswap.facade import lazy
 
-PUBLIC = {"NotStreamable": "normswap.checkpoint.lazy", "Lazy": "normswap.checkpoint.lazy",
+PUBLIC = {"InMemoryOnly": "normswap.checkpoint.lazy", "Lazy": "normswap.checkpoint.lazy",
           "open_folder": "normswap.checkpoint.meta"}
 __all__ = list(PUBLIC)
 __getattr__, __dir__ = lazy(__name__, PUBLIC)

@@ -1,7 +1,8 @@
 """Lazy models: a model on the meta device whose tensors are read from a safetensors checkpoint only while
 they are needed (a module's own forward, a torch call reading them), then put back on meta.
 
-Streaming (`stream`) plans, edits and verifies whole checkpoints this way in bounded memory.
+A lazy conversion (`pipeline.lazy_convert`) plans, edits and verifies whole checkpoints this way in bounded
+memory.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from normswap.io import safetensors
 from normswap.errors import NormswapError
 from normswap.surgery.trace import IGNORE, tensors_in
 
-class NotStreamable(NormswapError):
-    """The folder converts, but not in bounded memory: the caller loads it in memory instead."""
+class InMemoryOnly(NormswapError):
+    """The folder converts, but not lazily (in bounded memory): the caller loads it in memory instead."""
 
 
 def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
@@ -33,7 +34,7 @@ def checkpoint_names(model: nn.Module, keys: list[str]) -> dict[str, str]:
     for key in keys:
         new, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if converted is not None:
-            raise NotStreamable(f"cannot stream {key}: transformers transforms it when loading")
+            raise InMemoryOnly(f"cannot stream {key}: transformers transforms it when loading")
         out[new] = key
     return out
 
@@ -52,7 +53,7 @@ def _libc():
 def bound_heap() -> None:
     """Blocks of 1 MB and more (a layer's activations, a sample's logits) come from the system and go back to it
     when freed (glibc's M_MMAP_THRESHOLD, process-wide, set once). glibc's own threshold grows with the blocks
-    freed, after which they stay in the heap: a streamed GPT-2 convert held ~0.25 GB more at its peak."""
+    freed, after which they stay in the heap: a lazy GPT-2 convert held ~0.25 GB more at its peak."""
     libc = _libc()
     if libc is not None:
         libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD

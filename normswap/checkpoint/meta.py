@@ -9,7 +9,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from normswap.io import safetensors
-from normswap.checkpoint.lazy import Lazy, NotStreamable
+from normswap.checkpoint.lazy import InMemoryOnly, Lazy
 from normswap.errors import NormswapError, first_line
 from normswap.models.source import Folder, auto_class, build_model, check_weights, ignored_keys, load_dtype
 
@@ -69,7 +69,7 @@ def _compare(model: nn.Module, lazy: Lazy) -> tuple[list[str], list[str], list[s
 def check_folder(model: nn.Module, lazy: Lazy, src: str) -> None:
     """As load_model does: every parameter in the checkpoint with its shape, nothing unexpected (but what
     transformers ignores, `ignored_keys`); tied tensors stored under two names hold the same values (else
-    `NotStreamable`). Then the model is completed (`complete`)."""
+    `InMemoryOnly`). Then the model is completed (`complete`)."""
     unstored, missing, unexpected, mismatched = _compare(model, lazy)
     check_weights(src, missing, [lazy.names[k] for k in unexpected], mismatched, allow=False)
     _check_ties(lazy, src)
@@ -96,7 +96,8 @@ def read_buffers(model: nn.Module, lazy: Lazy) -> None:
 def _make_unstored(model: nn.Module, names: list[str]) -> None:
     """Parameters the checkpoint lacks and transformers does not ask for (Marian's sinusoidal positions): made
     as transformers makes them, by the model's `_init_weights` on their module, and kept real. Made twice
-    under different seeds: one that comes out random differs between two loads, so it cannot stream."""
+    under different seeds: one that comes out random differs between two loads, so the folder converts only
+    in memory."""
     for name in names:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
@@ -110,7 +111,7 @@ def _make_unstored(model: nn.Module, names: list[str]) -> None:
                 model._init_weights(owner)
                 made.append(t.detach().clone())
         if not torch.equal(*made):
-            raise NotStreamable(f"{name} is not stored and transformers initialises it at random")
+            raise InMemoryOnly(f"{name} is not stored and transformers initialises it at random")
 
 
 def _check_ties(lazy: Lazy, src: str) -> None:
@@ -125,5 +126,5 @@ def _check_ties(lazy: Lazy, src: str) -> None:
         first = lazy.reader.get(keys[0]) if len(keys) > 1 else None
         for key in keys[1:]:
             if not torch.equal(first, lazy.reader.get(key)):
-                raise NotStreamable(f"{src} stores the tied tensors {keys[0]} and {key} with different values "
+                raise InMemoryOnly(f"{src} stores the tied tensors {keys[0]} and {key} with different values "
                                     "(transformers unties them)")

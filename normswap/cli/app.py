@@ -1,6 +1,8 @@
-"""The `normswap` command group: a thin shell over the Python API. Every failure is one line on stderr.
+"""The `normswap` command group: a thin shell over the Python API. Every failure is one line on stderr: "error:
+..." for what the user can act on (a NormswapError, out of memory, an OS error), "internal error: ..." for any
+other exception, a bug of normswap's, whose traceback `-v` prints.
 
-Exit codes: 0 success, 1 runtime error, 2 usage error, 130 Ctrl-C, 143 SIGTERM.
+Exit codes: 0 success, 1 runtime error (or internal error), 2 usage error, 130 Ctrl-C, 143 SIGTERM.
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import importlib
 import logging
 import signal
 import sys
+import traceback
 
 import click
 
@@ -23,8 +26,22 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def out_of_memory(e: Exception) -> bool:
+    """Whether `e` says the machine ran out of memory: a MemoryError, torch's OutOfMemoryError (GPU), or the plain
+    RuntimeError torch's CPU allocator raises, which says so only in its text: this is the one place that reads it."""
+    torch = sys.modules.get("torch")   # imported by every command that can run out of memory
+    gpu = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return isinstance(e, MemoryError) or gpu is not None and isinstance(e, gpu) or \
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator" in str(e)
+
+
+def _environment(e: Exception) -> bool:
+    """Out of memory or an OS error (disk full, no permission): the machine's, not a bug."""
+    return isinstance(e, OSError) or out_of_memory(e)
+
+
 class Group(click.Group):
-    """Turns every failure into one line on stderr and a non-zero exit, never a traceback. Its commands
+    """Turns every failure into one line on stderr and a non-zero exit (a bug's traceback only with -v). Its commands
     (`lazy`: name -> "module:function") are imported when first asked for."""
 
     def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
@@ -88,9 +105,16 @@ class Group(click.Group):
             done = f"{', '.join(e.written)} written" if e.written else "nothing was written"
             click.echo(f"interrupted: {done}", err=True)
             sys.exit(128 + (e.signum if isinstance(e.signum, int) else 2))
-        except Exception as e:  # a bug of ours, or out of memory, still reported in one line
+        except Exception as e:  # out of memory, or a bug of ours: still one line (-v: the traceback before it)
             msg = first_line(e, strip=True) or ("out of memory" if isinstance(e, MemoryError) else "(no message)")
-            click.echo(f"error: {type(e).__name__}: {printable(msg)}", err=True)
+            line = f"{type(e).__name__}: {printable(msg)}"
+            if _environment(e):
+                click.echo(f"error: {line}", err=True)
+            elif ctx.find_root().params.get("verbose"):
+                click.echo("".join(traceback.format_exception(type(e), e, e.__traceback__)), err=True, nl=False)
+                click.echo(f"internal error: {line}", err=True)
+            else:
+                click.echo(f"internal error: {line} (run with -v for the traceback)", err=True)
         finally:
             signals.restore(old_term)
         sys.exit(1)

@@ -1,4 +1,4 @@
-"""`normswap convert` (`normswap.convert_checkpoint`) and `normswap inspect` (`inspect_checkpoint`)."""
+"""`normswap convert` (`normswap.convert` of a path) and `normswap inspect` (`normswap.inspect`)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,7 @@ import json
 import click
 
 from normswap.cli.options import Shared, shared, warn
-from normswap.pipeline.convert import convert_checkpoint
-from normswap.pipeline.inspect import inspect_checkpoint
+from normswap.pipeline import verbs
 from normswap.pipeline.options import ConvertOptions, InspectOptions
 
 
@@ -17,12 +16,12 @@ from normswap.pipeline.options import ConvertOptions, InspectOptions
 @shared(ConvertOptions)
 def convert(src, out, opts: Shared, options: ConvertOptions):
     """Convert SRC (folder, Hub id or normswap-demo) and save it to OUT."""
-    result = convert_checkpoint(src, out, options)
+    result = verbs.convert(src, out, options)
     report = result.report
     for w in result.notices:  # on stderr, whatever the output format
         warn(w)
     if not report.converted:
-        skipped = [f"{s['name']} ({s['cls']}): {s['reason']}" for s in report.skipped]
+        skipped = [f"{s.name} ({s.cls}): {s.reason}" for s in report.skipped]
         why = f"; {len(skipped)} skipped: {'; '.join(skipped[:3])}" if skipped else ""
         more = f" +{len(skipped) - 3} more" if len(skipped) > 3 else ""
         msg = (f"nothing to convert: {src} has no LayerNorm normswap can convert "
@@ -53,5 +52,5 @@ def convert(src, out, opts: Shared, options: ConvertOptions):
 @shared(InspectOptions)
 def inspect(src, opts: Shared, options: InspectOptions):
     """List the norms in SRC and what `convert` would do with each."""
-    result = inspect_checkpoint(src, options)
+    result = verbs.inspect(src, options)
     click.echo(json.dumps(result.to_dict()) if opts.as_json else result.to_text())

@@ -1,4 +1,4 @@
-"""`normswap export SRC -o DIR | --onnx FILE` (`export_checkpoint`)."""
+"""`normswap export SRC -o DIR | --onnx FILE` (`normswap.export_onnx` of a path)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import click
 
 from normswap.cli.options import Shared, shared
 from normswap.errors import NormswapError
-from normswap.pipeline.export import export_checkpoint
+from normswap.pipeline import verbs
 from normswap.pipeline.options import ExportOptions
 
 
@@ -24,5 +24,5 @@ def export(src, out, opts: Shared, options: ExportOptions):
     """
     if (out is None) == (options.onnx is None):  # the library says this in its own words
         raise NormswapError("give exactly one of -o DIR (deployment folder) and --onnx FILE")
-    report = export_checkpoint(src, out, options)
+    report = verbs.export_onnx(src, options=options, out=out)
     click.echo(json.dumps(report.to_dict()) if opts.as_json else report.to_table())

@@ -1,5 +1,5 @@
-"""`normswap heal` (`heal_checkpoint`), `normswap eval` (`evaluate_checkpoint`) and `normswap plot` (a healed
-folder's curves)."""
+"""`normswap heal` (`normswap.heal` of a path), `normswap eval` (`normswap.evaluate`) and `normswap plot` (a
+healed folder's curves)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,7 @@ import click
 
 from normswap.cli.options import Shared, shared
 from normswap.errors import NormswapError
-from normswap.pipeline.evaluate import evaluate_checkpoint
-from normswap.pipeline.heal import heal_checkpoint
+from normswap.pipeline import verbs
 from normswap.pipeline.options import EvaluateOptions, HealCheckpointOptions, PlotOptions
 
 
@@ -26,7 +25,7 @@ def heal(src, out, opts: Shared, options: HealCheckpointOptions):
     Under `accelerate launch` the processes (and their devices) are Accelerate's; --device cpu keeps
     them on the CPU (gloo); an FSDP config (examples/accelerate_fsdp.yaml) shards the model over them.
     """
-    result = heal_checkpoint(src, out, options)
+    result = verbs.heal(src, out, options)
     report = result.report
     if not result.main_process:  # under `accelerate launch`: one report, from rank 0
         return
@@ -48,7 +47,7 @@ def heal(src, out, opts: Shared, options: HealCheckpointOptions):
 @shared(EvaluateOptions)
 def eval_cmd(src, opts: Shared, options: EvaluateOptions):
     """Perplexity of SRC (sliding window), and agreement with --reference."""
-    report = evaluate_checkpoint(src, options)
+    report = verbs.evaluate(src, options)
     if opts.as_json:
         click.echo(json.dumps(report.to_dict(), allow_nan=False))
     if report.error():  # a NaN model must not pass a script's exit-code check

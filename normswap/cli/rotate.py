@@ -1,4 +1,4 @@
-"""`normswap rotate SRC -o OUT` (`rotate_checkpoint`)."""
+"""`normswap rotate SRC -o OUT` (`normswap.rotate` of a path)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import click
 
 from normswap.cli.options import Shared, shared
+from normswap.pipeline import verbs
 from normswap.pipeline.options import RotateOptions
-from normswap.pipeline.rotate import rotate_checkpoint
 
 
 @click.command()
@@ -18,7 +18,7 @@ def rotate(src, out, opts: Shared, options: RotateOptions):
     """Rotate the residual streams of SRC, a model converted exactly, for quantization; save it to OUT.
 
     Outputs are kept (verified); the weights' outliers spread over the channels (SliceGPT, QuaRot)."""
-    result = rotate_checkpoint(src, out, options)
+    result = verbs.rotate(src, out, options)
     if opts.as_json:
         click.echo(json.dumps(result.to_dict()))
         return

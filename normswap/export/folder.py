@@ -12,7 +12,8 @@ from normswap.io import kept
 from normswap.io.atomic import atomic_dir
 from normswap.errors import NormswapError, first_line
 from normswap.export import genai, wrap
-from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args, check_quantize
+from normswap.choices import GraphDtype
+from normswap.export.onnx import EXTERNAL_DATA_BYTES, build, check_args, check_quantize, fp16_graph
 from normswap.export.report import ExportReport
 from normswap.models.save import save_tokenizer
 
@@ -41,14 +42,16 @@ def _write_generation_config(model: nn.Module, out: Path) -> bool:
 
 
 def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, target: str = "ort",
-                  fp16: bool = False, with_past: bool | None = None, opset: int | None = None,
+                  dtype: GraphDtype | None = None, with_past: bool | None = None, opset: int | None = None,
                   overwrite: bool = False, validate: bool = True,
                   external_data_bytes: int | None = None, source: str | os.PathLike | None = None,
-                  quantize: str | None = None, saved_fingerprint: dict | None = None) -> ExportReport:
+                  quantize: str | None = None, saved_fingerprint: dict | None = None, *,
+                  fp16: bool | None = None) -> ExportReport:
     """Export `model` to the folder `out`: model.onnx (+ model.onnx.data when the weights exceed
     `external_data_bytes`), config.json, tokenizer files, generation_config.json (decoders) and, for
     decoders with the past, genai_config.json (onnxruntime-genai's generate loop).
 
+    dtype: the graph's, "fp32" (None) or "fp16" (`export_onnx`; `fp16=True` is its deprecated spelling).
     with_past=None: with the past for decoder-only LMs (what generation runs), without otherwise.
     source: the model's folder, whose other files its loaders read the folder keeps (`io.kept`).
     quantize "int8": model.onnx is the validated graph's int8 quantization (`export_onnx`).
@@ -56,8 +59,9 @@ def export_folder(model: nn.Module, out: str | os.PathLike, tokenizer=None, targ
     where its probe maps exactly (`export_onnx`).
     The folder appears (atomically) only once the export validated.
     """
+    fp16, said = fp16_graph(dtype, fp16)
     opset = check_args(target, opset)
-    check_quantize(quantize, fp16)
+    check_quantize(quantize, fp16, said)
     if not hasattr(model, "config"):
         raise NormswapError("export_folder needs a Hugging Face model (with .config)")
     out = Path(out).expanduser()

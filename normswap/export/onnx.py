@@ -22,23 +22,26 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import get_args
 
 import torch
 from torch import nn
 
 from normswap.io import owned
 from normswap.io.atomic import atomic_files
-from normswap.errors import NormswapError
+from normswap.choices import GraphDtype, Quantize
+from normswap.errors import NormswapError, warn_caller
 from normswap.export import wrap
 from normswap.export.report import ExportReport
 from normswap.models.inputs import sample_inputs
 from normswap.models.inputs.examples import HOW, as_batches
-from normswap.models.section import has_config
+from normswap.folder.attached import has_config
 from normswap.models.introspect import is_rms_norm
 from normswap.models.modes import eval_mode
+from normswap.models.source import dtype_name
 from normswap.norms import PartialRMSNorm
 from normswap.parity import main_output
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 TARGETS = {"ort": (18, 23), "onnx23": (23, 23)}   # opsets each target accepts
 DEFAULT_OPSET = {"ort": 18, "onnx23": 23}
@@ -50,8 +53,35 @@ KINDS = "decoder-only language models, text encoders and vision and audio encode
 FP32_TOL = 1e-4
 FP16_TOL = 1e-2   # fp16 weights and activations: relative to max |reference| (at least 1)
 EXTERNAL_DATA_BYTES = 2**30   # weights above this are saved as external data (protobuf's limit is 2 GB)
-QUANTIZE = ("int8",)   # `quantize` schemes (export.quantize)
+QUANTIZE = get_args(Quantize)   # `quantize` schemes (export.quantize)
 PROBE_TOKENS = 16   # the export's own fingerprint probe: one row of this many tokens (a conversion's is as long)
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}   # a graph's dtype, by dtype_name
+
+
+def graph_dtype(dtype) -> GraphDtype:
+    """fp32, fp16 or bf16, for a graph dtype given so, as float16, "torch.float16" or a torch.dtype."""
+    if isinstance(dtype, bool):   # the old `fp16` flag, passed where `dtype` now is
+        raise NormswapError(f"`dtype` takes fp32 or fp16 (or a torch.dtype), not {dtype}: `fp16=True` is now "
+                            "`dtype='fp16'`")
+    if dtype is None:
+        raise NormswapError("`dtype` takes fp32, fp16 or bf16 (or a torch.dtype), not None")
+    return dtype if dtype in SHORT.values() else SHORT[dtype_name(dtype)]
+
+
+def fp16_graph(dtype, fp16: bool | None = None) -> tuple[bool, str]:
+    """(whether the graph is fp16, how the caller said so) from `dtype` (None: fp32) or the deprecated `fp16`;
+    bf16 is refused: every export is validated in onnxruntime on the CPU, which has no bf16 kernels."""
+    if fp16 is not None:
+        warn_caller("`fp16` is deprecated: use `dtype='fp16'` (or 'fp32')", DeprecationWarning)
+        if dtype is not None and graph_dtype(dtype) != ("fp16" if fp16 else "fp32"):
+            raise NormswapError(f"give `dtype` or `fp16`, not both: `dtype={dtype!r}` but `fp16={fp16!r}`")
+        return bool(fp16), f"`fp16={fp16!r}`"
+    dtype = graph_dtype("fp32" if dtype is None else dtype)
+    if dtype == "bf16":
+        raise NormswapError(f"cannot export `dtype={dtype!r}`: every export is validated in onnxruntime on the CPU, "
+                            "which has no bfloat16 kernels (MatMul, Add); export fp32 or fp16")
+    return dtype == "fp16", f"`dtype={dtype!r}`"
+
 
 def check_args(target: str, opset: int | None) -> int:
     """The opset to export `target` with; one-line errors for missing packages, targets and opsets."""
@@ -68,7 +98,7 @@ def check_args(target: str, opset: int | None) -> int:
     return opset
 
 
-def check_quantize(quantize: str | None, fp16: bool, fp16_name: str = "`fp16=True`") -> None:
+def check_quantize(quantize: str | None, fp16: bool, fp16_name: str = "`dtype='fp16'`") -> None:
     """One-line errors, before any work, for an unknown scheme and for an fp16 graph (int8 starts from fp32)."""
     if quantize is None:
         return
@@ -286,11 +316,11 @@ def _check_model(model, example_inputs, with_past: bool) -> None:
         as_batches(model, example_inputs)   # each batch fits the forward
 
 
-def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", fp16: bool = False,
+def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", dtype: GraphDtype | None = None,
                 with_past: bool = False, opset: int | None = None, overwrite: bool = False,
                 validate: bool = True, external_data_bytes: int = EXTERNAL_DATA_BYTES,
                 example_inputs=None, quantize: str | None = None,
-                saved_fingerprint: dict | None = None) -> ExportReport:
+                saved_fingerprint: dict | None = None, *, fp16: bool | None = None) -> ExportReport:
     """Export a (converted) model to ONNX at `path` and validate it in onnxruntime.
 
     example_inputs (any nn.Module; needed without a transformers config): one batch or a list of batches, as
@@ -304,7 +334,8 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
 
     target "ort": RMSNorm -> SimplifiedLayerNormalization, residual add + norm ->
     com.microsoft.SkipSimplifiedLayerNormalization; "onnx23": standard opset-23 RMSNormalization.
-    fp16: fp16 weights/activations (norm statistics stay fp32). with_past: decoder with
+    dtype: "fp32" (None) or "fp16" (fp16 weights/activations, norm statistics fp32; `fp16=True`, deprecated, says
+    the same); "bf16" is refused (onnxruntime's CPU cannot run it to validate it). with_past: decoder with
     past_key_values.{i}.key/value inputs and present.{i}.key/value outputs. Decoders also take
     position_ids. Weights over `external_data_bytes` go to `<file>.data` beside it. The file appears
     only once every check passed (validate=False skips the checks, not the atomic write).
@@ -318,8 +349,9 @@ def export_onnx(model: nn.Module, path: str | os.PathLike, target: str = "ort", 
     probe is that folder's exactly, the graph must reproduce the outputs it recorded too, and the file keeps them.
     See export_folder for a deployment folder (config, tokenizer, generation config beside it).
     """
+    fp16, said = fp16_graph(dtype, fp16)
     opset = check_args(target, opset)
-    check_quantize(quantize, fp16)
+    check_quantize(quantize, fp16, said)
     check_replaceable(path, overwrite)
     path = Path(path).expanduser()
     _check_model(model, example_inputs, with_past)

@@ -1,4 +1,4 @@
-"""An exported graph's behavioural fingerprint (`io.fingerprint`, for ONNX), kept in the file's metadata under META
+"""An exported graph's behavioural fingerprint (`folder.fingerprint`, for ONNX), kept in the file's metadata under META
 as JSON, and checked in onnxruntime by the export's validation and by `validate.check_fingerprint(path)`:
 
 - `probe`: one input per graph input, by the graph's own names, encoded as `fingerprint.encode` encodes them
@@ -28,9 +28,9 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import wrap
-from normswap.io import fingerprint
-from normswap.models.schema import FingerprintFailed
-from normswap.models.section import section
+from normswap.folder import fingerprint
+from normswap.folder.schema import FingerprintFailed
+from normswap.folder.attached import section
 
 META = "normswap.fingerprint"
 NO_ARGS = {"tuple": []}   # fingerprint.encode(()): every probe normswap records passes keywords only

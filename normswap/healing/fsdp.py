@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 def requested(accelerator, fsdp: bool | None) -> bool:

@@ -37,6 +37,7 @@ from torch import nn
 
 from normswap import progress as shown_progress
 from normswap import signals
+from normswap.choices import options_from
 from normswap.io.atomic import Held, check_output, check_replaceable, held
 from normswap.io import safetensors
 from normswap.errors import Interrupted, NormswapError
@@ -114,7 +115,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     """Fine-tune `student` in place towards `teacher` on random `seq_len` windows of `texts`.
 
     options: a `HealOptions` (steps, lr, train mode, LoRA, held-out evaluation, early stopping, trackers);
-    its fields are also accepted as keywords (`heal(..., steps=100, train="lora")`), over `options`.
+    or its fields as keywords (`heal(..., steps=100, train="lora")`); both only where they agree.
     train: "norms" (only norm gains/biases; lr default 1e-2), "all" (lr default 3e-4), "lora" (adapters
     through peft, merged into the weights at the end, plus the norm gains; lr default 5e-3) or "auto" (the
     default: norms, but lora for a pRMSNorm conversion, all without peft; `params.default_train`). AdamW, no
@@ -129,9 +130,7 @@ def heal(student: nn.Module, teacher: nn.Module | None, texts: list[str], tokeni
     training (a non-finite loss or weight) raises NormswapError, nothing saved; `student` then holds the last
     finite step.
     """
-    if options is not None and not isinstance(options, HealOptions):
-        raise NormswapError(f"`options` must be a HealOptions, got {type(options).__name__}")
-    o = dataclasses.replace(options or HealOptions(), **fields)
+    o = options_from(HealOptions, options, fields)
     if o.train == "auto":   # by what the conversion changed
         o = dataclasses.replace(o, train=default_train(student))
     partial = Path(partial) if partial is not None else partial_path(out) if out is not None else None

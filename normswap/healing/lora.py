@@ -13,7 +13,7 @@ from torch import nn
 
 from normswap.errors import NormswapError
 from normswap.healing.options import LoraOptions
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 def _conv1d():

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from normswap.errors import NormswapError
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 def check_teacher(student, teacher) -> None:

@@ -7,7 +7,9 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
+from normswap.choices import Objective, Train, choice
 from normswap.errors import NormswapError
 from normswap.textdata import read_texts
 
@@ -89,13 +91,13 @@ class HealOptions:
     lr: float | None = field(default=None, metadata=dict(
         flag="--lr", type=float, min=0, min_open=True,
         help="Default: 1e-2 (norms), 3e-4 (all), 5e-3 (lora adapters; norm gains 1e-2)."))
-    train: str = field(default="auto", metadata=dict(
-        flag="--train", choices=("auto", "norms", "all", "lora"), show_default=True,
+    train: Train = field(default="auto", metadata=dict(
+        flag="--train", choices=get_args(Train), show_default=True,
         help="norms: only norm gains/biases; all: every parameter; lora: LoRA adapters (peft) merged into the "
              "weights at the end, and the norm gains; auto: norms, but lora for a pRMSNorm conversion (all "
              "without peft)."))
-    objective: str = field(default="kd", metadata=dict(
-        flag="--objective", choices=("kd", "lm"), show_default=True,
+    objective: Objective = field(default="kd", metadata=dict(
+        flag="--objective", choices=get_args(Objective), show_default=True,
         help="kd: distil from --teacher; lm: next-token loss on the data."))
     seq_len: int = field(default=128, metadata=dict(flag="--seq-len", type=int, min=2, show_default=True))
     batch_size: int = field(default=8, metadata=dict(flag="--batch-size", type=int, min=1, show_default=True))
@@ -127,6 +129,8 @@ class HealOptions:
         flag="--logging-dir", type="path", help="Where trackers write (default: runs/<date>_<host>)."))
 
     def __post_init__(self):
+        choice(self.train, Train, "train mode")
+        choice(self.objective, Objective, "objective")
         if not isinstance(self.lora, LoraOptions):
             raise NormswapError(f"`lora` must be a LoraOptions, got {type(self.lora).__name__}")
         if self.eval_every is not None:

@@ -17,7 +17,7 @@ from normswap.healing import tracking
 from normswap.healing.options import HealOptions
 from normswap.healing.params import DEFAULT_LR, norm_parameters, optimizer_groups, to_train
 from normswap.models.introspect import is_causal_lm
-from normswap.textdata import max_positions, token_stream, wrap_special
+from normswap.textdata import joined_ids, max_positions, wrap_special
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ def prepare(student: nn.Module, teacher: nn.Module | None, texts: list[str], tok
 
 
 def _windows(student: nn.Module, texts: list[str], tokenizer, o: HealOptions) -> Windows:
-    ids = token_stream(tokenizer, texts)
+    ids = joined_ids(tokenizer, texts)
     causal = is_causal_lm(student)
     limit = max_positions(student)
     if limit and not causal:

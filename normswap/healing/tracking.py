@@ -19,7 +19,7 @@ import torch
 from normswap.errors import NormswapError
 from normswap.healing.objective import metric, window_losses
 from normswap.healing.options import HealOptions
-from normswap.textdata import token_stream
+from normswap.textdata import joined_ids
 
 LOG_FILE = "heal_log.json"
 PROJECT = "normswap-heal"   # the trackers' project / run name
@@ -67,7 +67,7 @@ def hold_out(ids: torch.Tensor, options: HealOptions, tokenizer, seq_len: int
     if options.eval_every is None:
         return ids, None
     if options.eval_texts is not None:
-        held = token_stream(tokenizer, list(options.eval_texts))
+        held = joined_ids(tokenizer, list(options.eval_texts))
         n = min(options.eval_windows, len(held) // seq_len)
         if n == 0:
             raise NormswapError(f"`eval_texts` has {len(held)} tokens: fewer than one window of {seq_len}")

@@ -2,7 +2,7 @@
 a tensor at a time.
 
 Reading copies a tensor into its own anonymous memory (`Reader`), or maps it copy-on-write from the file
-(`Reader(path, mapped=True)`: no copy, no page zeroing; streaming reads every tensor several times, and
+(`Reader(path, mapped=True)`: no copy, no page zeroing; a lazy conversion reads every tensor several times, and
 this made its reads 50x cheaper). Either way only the tensors asked for are resident, and freeing one
 returns its memory at once. Writing plans the shards from tensor sizes first (names and shapes are known before any
 value is), writes each file's header, then appends each tensor's bytes as it is produced: peak memory is
@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line, reraised
-from normswap.io import checksum, owned, portable
+from normswap.io import owned
+from normswap.folder import checksum, portable
 
 WEIGHTS, INDEX = checksum.WEIGHTS, checksum.INDEX
 DEFAULT_MAX_SHARD_SIZE = "50GB"  # transformers 5's save_pretrained default
@@ -266,7 +267,7 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                  for i in range(len(shards))]
     names = [checksum.with_variant(name, variant) for name in names]
-    stream: Iterator[torch.Tensor] = iter(tensors)
+    given: Iterator[torch.Tensor] = iter(tensors)
     weight_map = {}
     for fname, idx in zip(names, shards):
         header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -282,7 +283,7 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
             f.write(struct.pack("<Q", len(raw)) + raw)
             for i in idx:
                 key, dtype, shape = specs[i]
-                t = next(stream)
+                t = next(given)
                 if t.dtype != dtype or list(t.shape) != list(shape):
                     raise NormswapError(f"internal: {key} is {t.dtype} {list(t.shape)}, "
                                         f"planned {dtype} {list(shape)}")
@@ -290,7 +291,7 @@ def write(out: str | Path, specs: list[tuple[str, torch.dtype, list[int]]], tens
                     f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
                 del t
     # Run a generator to its end: code after its last yield frees what it read for that tensor.
-    if next(stream, None) is not None:
+    if next(given, None) is not None:
         raise NormswapError("internal: more tensors than planned")
     if len(names) > 1:
         index = {"metadata": {"total_size": total_bytes(specs)}, "weight_map": weight_map}

@@ -1,4 +1,4 @@
-"""Tensors kept on disk instead of in memory, mapped back while they are read: streaming's verification keeps
+"""Tensors kept on disk instead of in memory, mapped back while they are read: a lazy conversion's verification keeps
 the original model's outputs this way (a 512-token row's logits and cache: 0.2 GB on GPT-2-medium), so the
 converted model runs with none of them resident.
 

@@ -1,5 +1,6 @@
 """Hugging Face models in and out: load any SRC (load, source), save and rebuild converted folders (save,
-rebuild, schema, hub), and read a model's sizes, norms and sample inputs (introspect, inputs). A lazy facade."""
+rebuild, restore; their format is `normswap.folder`), and read a model's sizes, norms and sample inputs
+(introspect, inputs). A lazy facade."""
 from normswap.facade import lazy
 
 PUBLIC = {"load_model": "normswap.models.load", "load_tokenizer": "normswap.models.load",

@@ -15,9 +15,9 @@ import functools
 from torch import nn
 from transformers import PreTrainedModel
 
-from normswap.io.portable import InvalidConversion
-from normswap.io.shipped import NormswapMixin, original_class, register_base_mapping
-from normswap.models import hub
+from normswap.folder.portable import InvalidConversion
+from normswap.folder.shipped import NormswapMixin, original_class, register_base_mapping
+from normswap.folder import modeling
 from normswap.models.source import transformers_class
 
 __all__ = ["Converted", "adopt", "converted_class", "original_class", "registered_as_built"]
@@ -30,7 +30,7 @@ class Converted(NormswapMixin):
     where there is none."""
 
     def normswap_code(self):
-        return hub.code(self.config.normswap)
+        return modeling.code(self.config.normswap)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         if self.normswap_code() is None:

@@ -7,7 +7,7 @@ that the shipped modeling_normswap.py finds every module, and reads every tensor
 """
 from __future__ import annotations
 
-from normswap.io.shipped import saved_names
+from normswap.folder.shipped import saved_names
 
 __all__ = ["renamed_modules", "saved_names"]
 

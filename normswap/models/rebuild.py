@@ -14,10 +14,10 @@ from torch import nn
 
 from normswap.io import safetensors
 from normswap.errors import NormswapError, first_line, reraised
-from normswap.io import owned, portable
-from normswap.models import schema
+from normswap.io import owned
+from normswap.folder import portable, schema
 from normswap.models.adopt import adopt
-from normswap.models.hub import MODELING_FILE
+from normswap.folder.modeling import MODELING_FILE
 from normswap.models.names import saved_names
 from normswap.models.source import (DTYPES, build_model, check_weights, dtype_name, ignored_keys, read_config,
                                     transformers_class)

@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.io import checksum, owned, portable, safetensors
-from normswap.models import schema
+from normswap.io import owned, safetensors
+from normswap.folder import checksum, portable, schema
 from normswap.models.introspect import norm_kind
 from normswap.models.rebuild import load_weights
-from normswap.models.section import qualified_name
-from normswap.models.section import section as model_section
-from normswap.models.section import set_section
+from normswap.folder.attached import qualified_name
+from normswap.folder.attached import section as model_section
+from normswap.folder.attached import set_section
 from normswap.norms import build_norm, off_fast_path
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 @contextlib.contextmanager

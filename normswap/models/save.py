@@ -1,12 +1,13 @@
 """Saving a (converted) model, atomically: in Hugging Face layout, config.json with its `normswap` section
-(validated on load by `schema`, with a checksum and a fingerprint), the weights (a converted model's as the
-"normswap" variant, model.normswap.safetensors, sharded with an index above max_shard_size),
-modeling_normswap.py (`hub`), generation config and tokenizer files; a module without a transformers config, its
-weights and normswap.json (the same section, rebuilt by `restore`). The section is sealed by the code the folder
-ships (`shipped.sealed`, `shipped.finish_folder`): the same as the model's own save_pretrained runs."""
+(validated on load by `folder.schema`, with a checksum and a fingerprint), the weights (a converted model's as
+the "normswap" variant, model.normswap.safetensors, sharded with an index above max_shard_size),
+modeling_normswap.py (`folder.modeling`), generation config and tokenizer files; a module without a transformers
+config, its weights and normswap.json (the same section, rebuilt by `restore`). The section is sealed and written
+by `folder.section.write`, the code the folder ships: the same as the model's own save_pretrained runs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from collections.abc import Callable, Iterable
@@ -15,18 +16,17 @@ import torch
 from torch import nn
 
 from normswap.io.atomic import Held, atomic_dir
-from normswap.io import kept, owned, safetensors
-from normswap.io.checksum import VARIANT
-from normswap.io.shipped import finish_folder, sealed
-from normswap.errors import NormswapError, reraised
-from normswap.io.portable import InvalidConversion
-from normswap.models import hub
+from normswap.io import kept, safetensors
+from normswap.folder.checksum import VARIANT
+from normswap.folder.section import Base, Section, write
+from normswap.errors import NormswapError
+from normswap.folder import modeling
 from normswap.models.adopt import original_class
 from normswap.models.introspect import is_causal_lm
 from normswap.models.names import renamed_modules, saved_names
 from normswap.models.wrapped import unwrapped
-from normswap.models.section import MODULE_TYPE, has_config, qualified_name, set_section
-from normswap.models.section import section as module_section
+from normswap.folder.attached import MODULE_TYPE, has_config, qualified_name, set_section
+from normswap.folder.attached import section as module_section
 from normswap.models.source import transformers_class
 
 
@@ -39,7 +39,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     """Save a (converted) HF model to `out` as config.json + model.safetensors, sharded with an index above
     max_shard_size (e.g. "5GB"), + tokenizer. check(folder), if given, runs on the written folder before
     it replaces `out`; raising aborts the save. tensors: the weights in `safetensors.saved_specs(model)`
-    order, when they are not the model's own (streaming computes them as they are written). files: more text
+    order, when they are not the model's own (the lazy conversion computes them as they are written). files: more text
     files to write beside the weights, name -> content (heal's heal_log.json; names in `owned.FILES`).
 
     A module without a transformers config (any nn.Module) is saved as model.safetensors (sharded likewise)
@@ -50,7 +50,7 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
     source: the model's folder, whose other files its loaders read OUT keeps (`io.kept`: sentence-transformers'
     modules, the slow tokenizer's files, generation settings); a file linked from outside it is refused.
     lock: OUT's lock, held by the caller since before its work (`io.atomic.held`: heal's training).
-    fingerprint(folder), if given, computes the fingerprint from the written folder after `check` (streaming:
+    fingerprint(folder), if given, computes the fingerprint from the written folder after `check` (lazy conversion:
     `model` is on meta); by default it is recorded from `model` itself.
     """
     if not isinstance(model, nn.Module):
@@ -98,20 +98,21 @@ def save_pretrained(model: nn.Module, out: str | Path, tokenizer=None, overwrite
 
 
 def _finish(model: nn.Module, folder: Path, found: dict | None = None, pending: bool = False) -> None:
-    """`shipped.finish_folder` with this model's code: the fingerprint `found`, or none yet (`pending`: the caller
+    """`folder.section.write` with this model's code: the fingerprint `found`, or none yet (`pending`: the caller
     computes it from the written folder), or recorded from the model."""
-    probe_only = {k: v for k, v in (model.config.normswap.get("fingerprint") or {}).items() if k == "probe"}
-    with reraised(InvalidConversion):
-        finish_folder(model, folder, hub.code(model.config.normswap), found or (probe_only if pending else None))
+    section = model.config.normswap
+    probe_only = {k: v for k, v in (section.get("fingerprint") or {}).items() if k == "probe"}
+    write(model, folder, section, modeling.code(section), found or (probe_only if pending else None))
 
 
 def module_record(model: nn.Module) -> dict:
     """What normswap.json records: the model's section (updated in place, as config.normswap is), or an empty
     one for an unconverted module; its `base` names the class, for information (`restore` checks structure)."""
+    base = Base(qualified_name(type(model)), MODULE_TYPE)
     record = module_section(model)
     if record is None:
-        record = {"norms": {}, "added_biases": [], "output_fixes": {}, "conversions": []}
-    record.update(base={"architecture": qualified_name(type(model)), "model_type": MODULE_TYPE})
+        return Section.new(base, output_fixes={}).to_dict()
+    record.update(base=dataclasses.asdict(base))
     return record
 
 
@@ -125,11 +126,9 @@ def save_module(model: nn.Module, out: str | Path, tokenizer=None, overwrite: bo
     record = module_record(model)
     with atomic_dir(out, overwrite, lock) as tmp:
         safetensors.save_model(model, tmp, max_shard_size, tensors, variant=VARIANT)
-        with reraised(InvalidConversion):
-            record = sealed(record, model, tmp, fingerprint(tmp) if fingerprint else None)
+        record = write(model, tmp, record, fingerprint=fingerprint(tmp) if fingerprint else None)
         if module_section(model) is not None:   # as a transformers config's section is updated by its save
             set_section(model, record)
-        (tmp / owned.RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         for name, text in (files or {}).items():

@@ -216,7 +216,7 @@ def read_source(src: str) -> Source:
 
 @dataclass(frozen=True)
 class Folder:
-    """A local checkpoint folder read once for streaming and its verification: `src` (its path, for messages),
+    """A local checkpoint folder read once for a lazy conversion and its verification: `src` (its path, for messages),
     config.json and the weights transformers would load (`weights_reader`, mapped)."""
     src: str
     path: Path
@@ -235,7 +235,7 @@ def read_folder(path: str | Path, config: dict | None = None) -> Folder:
 
 def load_dtype(src: str, config, reader) -> torch.dtype:
     """The dtype a checkpoint loads in when none is asked for: what transformers' dtype="auto" picks, for
-    in-memory and streaming conversions alike: config.json's `dtype` (`torch_dtype`), else the index's
+    in-memory and lazy conversions alike: config.json's `dtype` (`torch_dtype`), else the index's
     metadata dtype, else the first floating-point tensor (by name) of the first weights file. Every
     floating-point tensor is cast to it; a warning names those the cast loses precision in."""
     chosen = getattr(config, "dtype", None) or reader.index_dtype

@@ -5,7 +5,7 @@ from normswap.facade import lazy
 PUBLIC = {
     "convert_checkpoint": "normswap.pipeline.convert", "ConvertResult": "normswap.pipeline.convert",
     "ConvertOptions": "normswap.pipeline.options", "resolve_device": "normswap.pipeline.device",
-    "convert_folder": "normswap.pipeline.stream", "streamable": "normswap.pipeline.stream",
+    "convert_folder": "normswap.pipeline.lazy_convert", "lazily_convertible": "normswap.pipeline.lazy_convert",
     "heal_checkpoint": "normswap.pipeline.heal", "HealResult": "normswap.pipeline.heal",
     "evaluate_checkpoint": "normswap.pipeline.evaluate", "export_checkpoint": "normswap.pipeline.export",
     "inspect_checkpoint": "normswap.pipeline.inspect", "InspectResult": "normswap.pipeline.inspect",

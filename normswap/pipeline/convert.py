@@ -1,6 +1,6 @@
 """`convert_checkpoint`: the whole flow `normswap convert` runs, for Python callers too.
 
-Load SRC (or stream it, tensor by tensor, when it is a local safetensors folder and nothing needs the whole
+Load SRC (or convert it lazily, tensor by tensor, when it is a local safetensors folder and nothing needs the whole
 model), convert, optionally heal on text, rotate the residual streams (`surgery.rotate`), compare with the
 original, export to ONNX, save to OUT. Every check that can fail runs before the slow work; OUT (and the ONNX
 file) appear only once everything passed.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from normswap.checkpoint.lazy import NotStreamable
+from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import Interrupted, NormswapError
 from normswap.export.onnx import ExportReport, export_onnx
 from normswap.export.onnx import check_replaceable as check_onnx_replaceable
@@ -26,17 +26,19 @@ from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.inputs.examples import batches_of, check_examples, model_inputs
 from normswap.models.load import load_model
 from normswap.models.save import save_pretrained
+from normswap.norms import NormType
 from normswap.models.source import Source, check_code, read_folder, read_source, source_folder
 from normswap.parity import Parity, compare_to, reference_outputs
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ConvertOptions
-from normswap.pipeline.stream import convert_folder, streamable
+from normswap.pipeline.lazy_convert import convert_folder, lazily_convertible
 from normswap.surgery.convert import convert
 from normswap.surgery.exact import auto_or_naive
-from normswap.surgery.probe import NONFINITE
+from normswap.surgery.methods import Method
 from normswap.surgery.report import ConversionReport
 from normswap.surgery.rotate import RotationReport, rotate
-from normswap.surgery.verification import VerificationFailed, broken_source, refuse_nonfinite
+from normswap.surgery.verification import broken_source, refuse_nonfinite
+from normswap.surgery.walk import Skip
 from normswap.textdata import read_texts
 
 DEFAULTS = ConvertOptions()   # frozen
@@ -85,7 +87,7 @@ def _check_outputs(src: str, out: str, o: ConvertOptions) -> None:
 
 def _heal_texts(o: ConvertOptions) -> list[str] | None:
     """The text `finetune_steps` heals on; refused where there is none, or nothing a heal could bring back."""
-    if o.finetune_steps and o.method == "exact" and o.to == "rmsnorm":
+    if o.finetune_steps and o.method == Method.EXACT and o.to == NormType.RMSNORM:
         raise NormswapError("`finetune_steps` heals a model the conversion changed, and `method='exact'` keeps "
                             "the original's outputs: healing could only move them away; drop `finetune_steps`, or "
                             "use `method='naive'` or `method='auto'` (which heals only where it falls back to naive)")
@@ -98,7 +100,7 @@ def _heal_texts(o: ConvertOptions) -> list[str] | None:
 
 def _exact(report: ConversionReport) -> bool:
     """An RMSNorm conversion that kept the original's outputs (verified): nothing for a heal to bring back."""
-    return report.method == "exact" and report.to == "rmsnorm"
+    return report.method == Method.EXACT and report.to == NormType.RMSNORM
 
 
 def _check_rotate(o: ConvertOptions) -> None:
@@ -108,10 +110,10 @@ def _check_rotate(o: ConvertOptions) -> None:
             raise NormswapError(f"`{'seed' if o.seed is not None else 'rotate_method'}` is used only with "
                                 "`rotate=True`")
         return
-    if o.method != "exact":
+    if o.method != Method.EXACT:
         raise NormswapError("`rotate=True` needs `method='exact'`: a rotation keeps the outputs only of a model "
                             "converted exactly")
-    if o.to != "rmsnorm":
+    if o.to != NormType.RMSNORM:
         raise NormswapError("`rotate=True` needs `to='rmsnorm'`: pRMSNorm's RMS over a few features does not "
                             "commute with a rotation")
 
@@ -119,7 +121,7 @@ def _check_rotate(o: ConvertOptions) -> None:
 def _refuse_broken(src: str, report: ConversionReport) -> None:
     """Nothing converted because the norms are broken (NaN/inf on ordinary inputs, e.g. eps < 0): an error
     saying so, not "nothing to convert" (a model with no LayerNorm)."""
-    broken = [s["name"] for s in report.skipped if s["reason"] == NONFINITE]
+    broken = [s.name for s in report.skipped if s.cause is Skip.BROKEN]
     if broken and not report.converted:
         more = f" and {len(broken) - 3} more" if len(broken) > 3 else ""
         raise NormswapError(f"{src}: {len(broken)} LayerNorm-like modules ({', '.join(broken[:3])}{more}) give "
@@ -127,18 +129,18 @@ def _refuse_broken(src: str, report: ConversionReport) -> None:
                             "nothing was written")
 
 
-def _streamed(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
+def _lazily(source: Source, out: str, o: ConvertOptions, examples: list | None) -> ConvertResult:
     """A checkpoint folder converted tensor by tensor, in bounded memory, verified before OUT appears;
-    NotStreamable, before anything is written, where it converts only in memory."""
+    InMemoryOnly, before anything is written, where it converts only in memory."""
     folder = read_folder(source.where, source.config)   # its weights' headers, read once for every pass
-    def stream(method: str) -> ConvertResult:
+    def run(method: str) -> ConvertResult:
         report, parity = convert_folder(folder, out, o.to, method, o.p, o.load.dtype, o.overwrite,
                                         o.max_shard_size, o.show_progress, examples)
         _refuse_broken(source.text, report)
         return ConvertResult(report, parity, out if report.converted else None, streamed=True)
-    # a failed verification wrote nothing and left the source untouched: under auto, stream it again naively
-    return auto_or_naive(o.method, lambda: stream(o.method), lambda: stream("naive"),
-                         lambda result: result.report.warnings, VerificationFailed)
+    # a failed verification wrote nothing and left the source untouched: under auto, convert it again naively
+    return auto_or_naive(o.method, lambda: run(o.method), lambda: run(Method.NAIVE),
+                         lambda result: result.report.warnings)
 
 
 def _load(src: str, o: ConvertOptions, device: torch.device) -> tuple:
@@ -152,23 +154,23 @@ def _converted(src: str, o: ConvertOptions, device: torch.device, model, tokeniz
     edits) loads the source again and converts that naively."""
     def naively() -> tuple:
         fresh, tok = _load(src, o, device)
-        return fresh, tok, convert(fresh, to=o.to, method="naive", p=o.p)
+        return fresh, tok, convert(fresh, to=o.to, method=Method.NAIVE, p=o.p)
     return auto_or_naive(o.method, lambda: (model, tokenizer, convert(model, to=o.to, method=o.method, p=o.p,
                                                                       example_inputs=examples)),
-                         naively, lambda converted: converted[2].warnings, VerificationFailed)
+                         naively, lambda converted: converted[2].warnings)
 
 
 def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFAULTS) -> ConvertResult:
     """Convert the model at `src` (folder, Hub id or "normswap-demo") and save it to `out`, verified.
 
-    A local safetensors folder streams (bounded memory) unless healing, rotating, ONNX export, a GPU or missing
+    A local safetensors folder converts lazily (bounded memory) unless healing, rotating, ONNX export, a GPU or missing
     weights need the model in memory (a rotation edits every weight reading or writing the stream).
     Nothing to convert: the result's report lists no norm and nothing is written.
     """
     o, out = options, str(out)
     _check_outputs(src, out, o)
     source = read_source(src)
-    if source.local:   # a folder with its own model code: refused before any work, streaming or not
+    if source.local:   # a folder with its own model code: refused before any work, lazily or not
         check_code(src, source.config, o.load.trust_remote_code, converting=True)
     device = resolve_device(o.device)
     texts = _heal_texts(o)
@@ -176,10 +178,10 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
     check_examples(examples)
     notices: list[str] = []
     if not texts and not o.rotate and not o.onnx and device.type == "cpu" and not o.load.allow_missing_weights \
-            and streamable(source):
+            and lazily_convertible(source):
         try:
-            return _streamed(source, out, o, examples)
-        except NotStreamable as e:   # raised before anything is written
+            return _lazily(source, out, o, examples)
+        except InMemoryOnly as e:   # raised before anything is written
             notices.append(f"{e}: converting in memory")
     model, tokenizer = _load(src, o, device)
     # outputs before editing (on the samples and the user's examples), not a copy of the model

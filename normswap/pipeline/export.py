@@ -6,11 +6,11 @@ from pathlib import Path
 
 from normswap.errors import NormswapError
 from normswap.export.folder import export_folder
-from normswap.export.onnx import ExportReport, check_args, check_quantize, export_onnx
-from normswap.io import fingerprint
+from normswap.export.onnx import ExportReport, check_args, check_quantize, export_onnx, fp16_graph
+from normswap.folder import fingerprint
 from normswap.io.atomic import check_output, check_replaceable
 from normswap.models.load import LoadOptions, load_model
-from normswap.models.section import section
+from normswap.folder.attached import section
 from normswap.models.source import source_folder
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import ExportOptions
@@ -27,23 +27,21 @@ def export_checkpoint(src: str, out: str | Path | None = None, options: ExportOp
     o = options if options is not None else ExportOptions()
     if (out is None) == (o.onnx is None):
         raise NormswapError("give exactly one of `out` (a deployment folder) and `onnx` (a single file)")
-    if o.dtype not in ("fp32", "fp16"):
-        raise NormswapError(f"cannot export `dtype={o.dtype!r}`: every export is validated in onnxruntime on the CPU, "
-                            "which has no bfloat16 kernels (MatMul, Add); export fp32 or fp16")
+    fp16, said = fp16_graph(o.dtype)   # bf16 refused
     device = resolve_device(o.device)
     check_args(o.target, o.opset)  # fail before the (slow) load
-    check_quantize(o.quantize, o.dtype == "fp16", "`dtype='fp16'`")
+    check_quantize(o.quantize, fp16, said)
     check_output(out or o.onnx, [("`src`", src)])
     if out is not None:
         check_replaceable(out, o.overwrite)
     model, tokenizer = load_model(src, options=o.load)
     model.to(device)
-    fp16, saved = o.dtype == "fp16", saved_fingerprint(model, o.load)
+    saved = saved_fingerprint(model, o.load)
     if out is not None:
-        return export_folder(model, out, tokenizer=tokenizer, target=o.target, fp16=fp16, with_past=o.with_past,
+        return export_folder(model, out, tokenizer=tokenizer, target=o.target, dtype=o.dtype, with_past=o.with_past,
                              opset=o.opset, overwrite=o.overwrite, source=source_folder(src), quantize=o.quantize,
                              saved_fingerprint=saved)
-    return export_onnx(model, o.onnx, target=o.target, fp16=fp16, with_past=bool(o.with_past), opset=o.opset,
+    return export_onnx(model, o.onnx, target=o.target, dtype=o.dtype, with_past=bool(o.with_past), opset=o.opset,
                        overwrite=o.overwrite, quantize=o.quantize, saved_fingerprint=saved)
 
 

@@ -12,7 +12,7 @@ from normswap.models.load import load_model
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import GenerateOptions
 from normswap.textdata import max_positions
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 @dataclass

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from normswap.models.load import load_model
 from normswap.pipeline.device import resolve_device
 from normswap.pipeline.options import InspectOptions
 from normswap.surgery.exact import plan
 from normswap.surgery.report import BIAS_FATE, plan_lines
 from normswap.surgery.walk import find_norms
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 
 @dataclass
@@ -47,6 +49,11 @@ def inspect_checkpoint(src: str, options: InspectOptions | None = None) -> Inspe
     device = resolve_device(o.device)
     model, _ = load_model(src, options=o.load)
     model.to(device)
+    return inspect_model(model)
+
+
+def inspect_model(model: nn.Module) -> InspectResult:
+    """`inspect_checkpoint` of a model in memory (where it is; no edit made)."""
     sites, skipped, rms = find_norms(model)
     traced = plan(model, sites) if sites else None   # one traced forward: sources, readers, bias fate
     found, why_not = (traced.norms, traced.reason) if traced else ({}, None)

@@ -7,13 +7,15 @@ A nested options object (`load`, `heal`) brings its own fields' flags.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import get_args
 
+from normswap.choices import ExportTarget, GraphDtype, Quantize, Rotation, choice
 from normswap.healing.options import HealOptions
 from normswap.io import safetensors
 from normswap.models.load import LoadOptions
-from normswap.export.onnx import QUANTIZE
-from normswap.surgery.convert import METHODS
-from normswap.surgery.orthogonal import METHODS as ROTATIONS
+from normswap.export.onnx import graph_dtype
+from normswap.norms import NormType
+from normswap.surgery.methods import Method
 
 DEVICE = dict(flag="--device", show_default=True, help="auto (CUDA when available), cpu, cuda, cuda:N.")
 OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote it (or it is empty).",
@@ -24,10 +26,10 @@ OVERWRITE = dict(flag="--overwrite", help="Replace the output if normswap wrote 
 @dataclass(frozen=True)
 class ConvertOptions:
     """Everything `convert_checkpoint` does besides naming SRC and OUT (`normswap convert`'s options)."""
-    to: str = field(default="rmsnorm", metadata=dict(   # "rmsnorm" | "prmsnorm"
-        flag="--to", choices=("rmsnorm", "prmsnorm"), required=True))
-    method: str = field(default="auto", metadata=dict(   # "auto" | "exact" | "naive"
-        flag="--method", choices=tuple(sorted(METHODS)), show_default=True))
+    to: str = field(default="rmsnorm", metadata=dict(   # a NormType
+        flag="--to", choices=NormType.values(), required=True))
+    method: str = field(default="auto", metadata=dict(   # a Method
+        flag="--method", choices=Method.values(), show_default=True))
     p: float | None = field(default=None, metadata=dict(   # pRMSNorm fraction (default 0.0625)
         flag="--p", type=float, help="pRMSNorm fraction of features (default 0.0625)."))
     load: LoadOptions = LoadOptions()     # dtype, trust_remote_code, allow_missing_weights
@@ -46,8 +48,8 @@ class ConvertOptions:
     rotate: bool = field(default=False, metadata=dict(
         flag="--rotate", is_flag=True,
         help="Then rotate the residual streams for quantization (needs --method exact; converts in memory)."))
-    rotate_method: str = field(default="hadamard", metadata=dict(   # "hadamard" | "random"
-        flag="--rotate-method", choices=ROTATIONS, show_default=True,
+    rotate_method: Rotation = field(default="hadamard", metadata=dict(
+        flag="--rotate-method", choices=get_args(Rotation), show_default=True,
         help="With --rotate: hadamard (randomised Hadamard) or random (random orthogonal)."))
     seed: int | None = field(default=None, metadata=dict(   # None: 0
         flag="--seed", type=int, help="With --rotate: draws the Hadamard signs or the random matrix (default 0)."))
@@ -60,12 +62,15 @@ class ConvertOptions:
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
     show_progress: bool = False           # progress bars on stderr
 
+    def __post_init__(self):
+        choice(self.rotate_method, Rotation, "rotation method")
+
 
 @dataclass(frozen=True)
 class RotateOptions:
     """Everything `rotate_checkpoint` does besides naming SRC and OUT (`normswap rotate`'s options)."""
-    method: str = field(default="hadamard", metadata=dict(   # "hadamard" | "random"
-        flag="--method", choices=ROTATIONS, show_default=True,
+    method: Rotation = field(default="hadamard", metadata=dict(
+        flag="--method", choices=get_args(Rotation), show_default=True,
         help="hadamard: a randomised Hadamard matrix (random orthogonal where the width has none); random: a "
              "random orthogonal matrix."))
     seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True,
@@ -79,6 +84,9 @@ class RotateOptions:
         flag="--max-shard-size", default="50GB", show_default=True,
         help="Split the weights into shards of at most this size (e.g. 5GB) with an index."))
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+
+    def __post_init__(self):
+        choice(self.method, Rotation, "rotation method")
 
 
 @dataclass(frozen=True)
@@ -128,13 +136,14 @@ class ExportOptions:
     """Everything `export_checkpoint` does besides naming SRC and OUT (`normswap export`'s options)."""
     onnx: str | None = field(default=None, metadata=dict(   # a single ONNX file instead of the folder OUT
         flag="--onnx", type="path", help="A single ONNX file instead."))
-    target: str = field(default="ort", metadata=dict(   # "ort" | "onnx23"
+    # checked with the opset when exporting (`export.onnx.check_args`), after the output's own checks
+    target: ExportTarget = field(default="ort", metadata=dict(
         flag="--target", show_default=True,
         help="ort: SimplifiedLayerNormalization (+Skip) for onnxruntime; onnx23: standard RMSNormalization."))
-    # the graph's "fp32" | "fp16" (the model loads as stored); "bf16" is refused: onnxruntime's CPU provider,
-    # which validates every export, has no bf16 kernels
-    dtype: str = field(default="fp32", metadata=dict(
-        flag="--dtype", choices=("fp32", "fp16", "bf16"), show_default=True,
+    # the graph's (the model loads as stored; float16 and torch.float16 are fp16); "bf16" is refused when
+    # exporting: onnxruntime's CPU provider, which validates every export, has no bf16 kernels
+    dtype: GraphDtype = field(default="fp32", metadata=dict(
+        flag="--dtype", choices=get_args(GraphDtype), show_default=True,
         help="Weights and activations of the graph (fp16: norm statistics stay fp32; bf16: refused, "
              "onnxruntime's CPU cannot run it to validate it).",
         also={"fp16": ("--fp16", "Same as --dtype fp16.")}))
@@ -144,13 +153,18 @@ class ExportOptions:
     opset: int | None = field(default=None, metadata=dict(
         flag="--opset", type=int, help="ONNX opset (ort: 18-23, default 18; onnx23: 23)."))
     # then write the validated fp32 graph's int8 quantization instead, its error measured (`export.quantize`)
-    quantize: str | None = field(default=None, metadata=dict(
-        flag="--quantize", choices=QUANTIZE,
+    quantize: Quantize | None = field(default=None, metadata=dict(
+        flag="--quantize", choices=get_args(Quantize),
         help="Write the graph quantized: int8 weights of MatMul/Gemm, dynamic uint8 activations (after "
              "validating the fp32 graph; its error vs PyTorch is reported, refused only if broken)."))
     load: LoadOptions = LoadOptions()
     device: str = field(default="auto", metadata=DEVICE)
     overwrite: bool | str = field(default=False, metadata=OVERWRITE)
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", graph_dtype(self.dtype))
+        if self.quantize is not None:
+            choice(self.quantize, Quantize, "quantization")
 
 
 @dataclass(frozen=True)

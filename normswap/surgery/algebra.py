@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from normswap.models.introspect import is_conv1d
-from normswap.io.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
+from normswap.folder.portable import ensure_bias   # creating a bias is part of the structure folders rebuild
+from normswap.surgery.steps import Param, Target
 
 CHUNK = 1 << 23   # elements per fp64 slice (64 MB)
 
@@ -78,14 +79,14 @@ def output_dim(layer: nn.Module) -> int:
     return 1 if isinstance(layer, nn.Embedding) or is_conv1d(layer) else 0
 
 
-def centre_outputs(model: nn.Module, target: str, group: int, ranges: tuple = (), axis: int = -1) -> None:
-    """Make every output of layer `target` (or of "param:<name>", a parameter whose dim `axis` holds output
-    channels) zero-mean per group of `group` channels (or over each of `ranges`)."""
-    if target.startswith("param:"):
-        param = named_tensor(model, target[6:])
-        _centre_in_place(param, param.dim() + axis, group, ranges)
+def centre_outputs(model: nn.Module, target: Target, group: int, ranges: tuple = ()) -> None:
+    """Make every output of the layer `target` (or the channels of a `Param`, along its axis) zero-mean per group of
+    `group` channels (or over each of `ranges`)."""
+    if isinstance(target, Param):
+        param = named_tensor(model, target.name)
+        _centre_in_place(param, param.dim() + target.axis, group, ranges)
         return
-    layer = model.get_submodule(target)
+    layer = model.get_submodule(target.name)
     _centre_in_place(layer.weight, output_dim(layer), group, ranges)
     if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
         _update(layer.bias, centred(layer.bias, 0, group, ranges))
@@ -107,15 +108,15 @@ def scale_outputs(layer: nn.Module, lam: torch.Tensor) -> None:
         _update(param, value)
 
 
-def scale_parameter(model: nn.Module, target: str) -> nn.Parameter:
-    """The per-channel factor of a scale step: "param:<name>", or a LayerScale module's one parameter."""
-    if target.startswith("param:"):
-        return named_tensor(model, target[6:])
-    return next(model.get_submodule(target).parameters())
+def scale_parameter(model: nn.Module, target: Target) -> nn.Parameter:
+    """The per-channel factor of a scale step: a `Param`, or a LayerScale module's one parameter."""
+    if isinstance(target, Param):
+        return named_tensor(model, target.name)
+    return next(model.get_submodule(target.name).parameters())
 
 
 def named_tensor(model: nn.Module, name: str) -> torch.Tensor:
-    """The parameter, or else the (persistent) buffer, of that qualified name: a "param:" step's target."""
+    """The parameter, or else the (persistent) buffer, of that qualified name: a `Param` target's tensor."""
     try:
         return model.get_parameter(name)
     except AttributeError:

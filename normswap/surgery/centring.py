@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from normswap.io.portable import add_input_fix, add_output_fix, centre_input, fixed
+from normswap.folder.portable import add_input_fix, add_output_fix, centre_input, fixed
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed"]
 

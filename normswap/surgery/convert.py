@@ -5,22 +5,22 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
-from normswap.io import fingerprint
-from normswap.norms import RMSNorm, build_norm, norm_spec, off_fast_path
+from normswap.folder import fingerprint
+from normswap.norms import NormType, RMSNorm, build_norm, norm_spec, off_fast_path
 from normswap.ops import check_eps, partial_width
 from normswap.models.adopt import adopt
 from normswap.models.inputs.examples import NoInputs, check_examples
-from normswap.models.section import new_section, set_section
-from normswap.models.section import section as model_section
+from normswap.folder.attached import section as model_section
+from normswap.folder.attached import set_section
+from normswap.folder.section import new_section
 from normswap.models.wrapped import unwrapped
 from normswap.surgery.exact import InMemory, auto, exact
-from normswap.surgery.methods import ExactSteps, MethodResult, naive
+from normswap.surgery.methods import BiasFate, ExactSteps, Method, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.trainable import kept_trainable
-from normswap.surgery.walk import FilterFn, NormSite, find_norms, replace_module
+from normswap.surgery.walk import FilterFn, NormSite, Skip, Skipped, find_norms, replace_module
 
-TARGETS = ("rmsnorm", "prmsnorm")
-METHODS = {"auto": auto, "exact": exact, "naive": naive}
+METHODS = {Method.AUTO: auto, Method.EXACT: exact, Method.NAIVE: naive}
 DEFAULT_P = 0.0625
 
 
@@ -65,15 +65,16 @@ def _record(model: nn.Module, report: ConversionReport, steps: ExactSteps) -> No
     set_section(model, section)
 
 
-def _row_method(method: str, to: str) -> str:
+def _row_method(method: Method, to: NormType) -> str:
     """A row's method: a pRMSNorm is never exact (its biases fold exactly, its RMS of a few features does not)."""
-    return "approximate" if to == "prmsnorm" and method == "exact" else method
+    return "approximate" if to is NormType.PRMSNORM and method is Method.EXACT else method
 
 
-def _check_target(to: str, p: float | None) -> float | None:
-    if to not in TARGETS:
+def _check_target(to: str, p: float | None) -> tuple[NormType, float | None]:
+    if to not in NormType.values():
         raise NormswapError(f"unknown target '{to}': choose rmsnorm or prmsnorm")
-    if to == "prmsnorm":
+    to = NormType(to)
+    if to is NormType.PRMSNORM:
         p = DEFAULT_P if p is None else float(p)
         try:
             partial_width(8, p)
@@ -81,7 +82,7 @@ def _check_target(to: str, p: float | None) -> float | None:
             raise NormswapError(str(e)) from None
     elif p is not None:
         raise NormswapError("p applies only to `to='prmsnorm'`")
-    return p
+    return to, p
 
 
 def convert(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p: float | None = None,
@@ -120,13 +121,13 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
                  steps: ExactSteps | None = None) -> tuple[ConversionReport, MethodResult | None]:
     """`convert`, with the exact method's `steps` given (default: in memory, on the model's own samples);
     (report, what the method did, None when there was nothing to convert)."""
-    p = _check_target(to, p)
+    to, p = _check_target(to, p)
     steps = steps or InMemory()
-    if method not in METHODS:
-        raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(METHODS))}")
+    if method not in Method.values():
+        raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(Method.values()))}")
+    method = Method(method)
     sites, skipped, rms = find_norms(model, filter_fn)
-    report = ConversionReport(to=to, method=method, p=p, already_rms=rms,
-                              skipped=[vars(s) for s in skipped])
+    report = ConversionReport(to=to, method=method, p=p, already_rms=rms, skipped=skipped)
     if not sites:
         return report, None
     for site in sites:  # before any edit: RMSNorm refuses eps <= 0 (NaN on an all-zero row)
@@ -141,7 +142,7 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
     return report, result
 
 
-def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: str,
+def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: NormType,
           p: float | None, steps: ExactSteps) -> None:
     """The norms swapped after `result`'s method ran, and what it did written into `report` and the section."""
     report.method = result.method
@@ -149,8 +150,8 @@ def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, res
     report.warnings += result.warnings
     report.not_preserved, report.unverified = result.not_preserved, result.unverified
     if result.kept:   # exact for the others; these could not be, and stay as they are
-        report.skipped += [{"name": s.name, "cls": type(s.module).__name__,
-                            "reason": f"kept as it is so that the rest converts exactly: {result.kept[s.name]}"}
+        report.skipped += [Skipped(s.name, type(s.module).__name__, "kept as it is so that the rest converts exactly: "
+                                   f"{result.kept[s.name]}", Skip.KEPT, result.kept[s.name])
                            for s in sites if s.name in result.kept]
         sites = [s for s in sites if s.name not in result.kept]
     for site in sites:
@@ -158,6 +159,6 @@ def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, res
         report.converted.append(NormRecord(
             name=site.name, replaced=type(site.module).__name__, width=site.width, eps=site.eps, to=to,
             method=_row_method(result.per_norm_method.get(site.name, result.method), to),
-            bias=result.bias.get(site.name, "none"), bias_norm=site.bias_norm))
+            bias=result.bias.get(site.name, BiasFate.NONE), bias_norm=site.bias_norm))
     off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the new norms' weights
     _record(model, report, steps)

@@ -46,8 +46,8 @@ their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) t
 2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
 CLI then converts the source again, naively, under `auto`: `auto_or_naive`, the one fallback).
 
-The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the streaming
-writer in `pipeline.stream`), and checked by `verification`.
+The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the lazy
+writer in `pipeline.lazy_convert`), and checked by `verification`.
 """
 from __future__ import annotations
 
@@ -57,27 +57,24 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from normswap.errors import FellBackToNaive, NormswapError, first_line, warn_caller
+from normswap.errors import FellBackToNaive, first_line, warn_caller
 from normswap.models.inputs.examples import NoInputs, model_inputs
 from normswap.models.introspect import norm_kind
 from normswap.parity import Reference, compare_to
 from normswap.surgery import verification
-from normswap.surgery.interpret import ExactResult, interpret, output_fix
-from normswap.surgery.methods import ExactSteps, MethodResult, naive
-from normswap.surgery.labels import Cause, Refusal
-from normswap.surgery.plan import NormPlan, Plan, Step, derive, keepable
+from normswap.surgery.interpret import ExactResult, interpret
+from normswap.surgery.methods import ExactSteps, Method, MethodResult, naive
+from normswap.surgery.labels import Cause, NotExact, Refusal
+from normswap.surgery.plan import NormPlan, Plan, derive, keepable
 from normswap.surgery.rehearse import rehearsal
-from normswap.surgery.trace import trace
+from normswap.surgery.steps import Step
+from normswap.surgery.trace import ForwardFailed, trace
 from normswap.surgery.verification import TOLERANCE, VerificationFailed, fp32_eval, verify
 from normswap.surgery.walk import NormSite
 
 __all__ = ["NotExact", "Step", "TOLERANCE", "VerificationFailed", "auto", "auto_or_naive", "exact", "fell_back",
            "not_preserved", "plan", "plan_or_naive", "verify"]   # re-exported: the plan's steps, and its check
 T = TypeVar("T")
-
-
-class NotExact(NormswapError):
-    """The exact conversion cannot be applied to this model (`auto` falls back to naive)."""
 
 
 def fell_back(reason: Exception | str) -> str:
@@ -87,15 +84,16 @@ def fell_back(reason: Exception | str) -> str:
 
 
 def auto_or_naive(method: str, attempt: Callable[[], T], fallback: Callable[[], T],
-                  warnings: Callable[[T], list[str]], failure: type[Exception] = NotExact) -> T:
-    """The one auto -> naive fallback (a model in memory, its plan, a streamed folder): `attempt()`; where it
-    raises `failure` under method "auto", `fallback()` (naive, on an untouched model: the caller's to provide)
-    with the warning saying why in `warnings(result)`, and raised as a Python warning (`FellBackToNaive`) where
-    the caller sees it; under any other method the failure propagates."""
+                  warnings: Callable[[T], list[str]]) -> T:
+    """The one auto -> naive fallback (a model in memory, its plan, a lazily converted folder, a reloaded source):
+    `attempt()`; where it raises NotExact (a typed refusal: no exact form here, because ...) under method "auto",
+    `fallback()` (naive, on an untouched model: the caller's to provide) with the warning saying why in
+    `warnings(result)`, and raised as a Python warning (`FellBackToNaive`) where the caller sees it. Under any
+    other method the refusal propagates; any other exception is a bug and propagates under every method."""
     try:
         return attempt()
-    except failure as e:
-        if method != "auto":
+    except NotExact as e:
+        if method != Method.AUTO:
             raise
         result = fallback()
         warnings(result).append(fell_back(e))
@@ -103,29 +101,26 @@ def auto_or_naive(method: str, attempt: Callable[[], T], fallback: Callable[[], 
         return result
 
 
-def _refused(sites: list[NormSite], reason: str) -> Plan:
-    return Plan({s.name: NormPlan(s.name, s.width, reason=Refusal(Cause.PLAN, reason)) for s in sites}, [])
+def _refused(sites: list[NormSite], reason: Refusal) -> Plan:
+    return Plan({s.name: NormPlan(s.name, s.width, reason=reason) for s in sites}, [])
 
 
 def plan(model: nn.Module, sites: list[NormSite], inputs: list[dict] | None = None,
          examples=None) -> Plan:
     """Trace `model` on `inputs` (default: `model_inputs(model, examples)`: its samples and the user's examples,
     the ones verification uses), merge what every forward showed and derive the plan; the plan's `reason` is
-    set where a norm cannot be made exact."""
+    set where a norm cannot be made exact, or the model has no input to trace it on or fails on them."""
     if inputs is None:
         try:
             inputs = model_inputs(model, examples)
         except NoInputs as e:  # a model normswap cannot feed, and no example inputs
-            return _refused(sites, f"no sample input to trace it ({first_line(e, strip=True)})")
+            return _refused(sites, Refusal(Cause.INPUTS, f"no sample input to trace it ({first_line(e, strip=True)})"))
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
     try:
         t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms | {s.name for s in sites})
-    except Exception as e:  # the forward itself failed: say so instead of a traceback
-        return _refused(sites, f"tracing failed: {type(e).__name__}: {first_line(e, strip=True)}")
-    try:
-        return derive(model, t, sites)
-    except Exception as e:  # never an internal error: a refusal that says what failed
-        return _refused(sites, f"the exact plan could not be derived ({type(e).__name__}: {first_line(e, strip=True)})")
+    except ForwardFailed as e:  # the model's own forward failed on its inputs: say so instead of a traceback
+        return _refused(sites, Refusal(Cause.FORWARD, f"tracing failed: {e}"))
+    return derive(model, t, sites)
 
 
 def not_preserved(model: nn.Module, p: Plan) -> dict[str, str]:
@@ -140,35 +135,30 @@ def not_preserved(model: nn.Module, p: Plan) -> dict[str, str]:
 
 
 def plan_or_naive(method: str, model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
-    """Methods "exact" and "auto" (in memory and streaming alike): steps.apply(model, sites, plan) where
+    """Methods "exact" and "auto" (in memory and lazily alike): steps.apply(model, sites, plan) where
     steps.plan(model, sites) finds the model exact and the plan passes its rehearsal; else refuse ("exact")
-    or naive with a warning ("auto"). Any failure before the edits falls back: the model is untouched."""
+    or naive with a warning ("auto"). A refusal comes before the edits: the model is untouched."""
     try:
         return auto_or_naive(method, lambda: planned(model, sites, steps), lambda: naive(model, sites),
                              lambda result: result.warnings)
     except NotExact as e:   # "exact": refused
-        raise NormswapError(f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the biases; "
-                            "heal by fine-tuning) or `method='auto'`") from None
+        raise NotExact(Refusal(e.cause, f"cannot convert exactly: {e}; alternatives: `method='naive'` (drops the "
+                                        "biases; heal by fine-tuning) or `method='auto'`", e.refusal.modules)) from None
 
 
 def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> MethodResult:
     """The exact conversion by `steps` (refused norms kept as LayerNorms where the rest can then be exact);
     NotExact, the model untouched, where it cannot be."""
-    try:
-        p = steps.plan(model, sites)
-        first, kept = p.reason, keepable(p, sites)
-        if kept:   # the other norms may be exact without these: plan them alone, these stay LayerNorm
-            retry = steps.plan(model, [s for s in sites if s.name not in kept])
-            if retry.reason:
-                kept = {}
-            else:
-                sites, p = [s for s in sites if s.name not in kept], retry
-    except NormswapError:
-        raise
-    except Exception as e:
-        raise NotExact(f"the exact plan failed ({type(e).__name__}: {first_line(e, strip=True)})") from None
-    if p.reason:
-        raise NotExact(p.reason)
+    p = steps.plan(model, sites)
+    first, kept = p.refusal, keepable(p, sites)
+    if kept:   # the other norms may be exact without these: plan them alone, these stay LayerNorm
+        retry = steps.plan(model, [s for s in sites if s.name not in kept])
+        if retry.refusal:
+            kept = {}
+        else:
+            sites, p = [s for s in sites if s.name not in kept], retry
+    if p.refusal:
+        raise NotExact(p.refusal)
     try:
         result = steps.apply(model, sites, p)
     except NotExact:   # the rehearsal says keeping them was not enough: the first cause is the true one
@@ -183,16 +173,13 @@ def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> Metho
 def rehearse(model: nn.Module, sites: list[NormSite], p: Plan, reference: Reference) -> None:
     """Run the plan as hooks on the unedited model (`rehearse.rehearsal`) against the reference; NotExact
     (the model untouched) if it is not exact to the fp32 tolerance: then the trace missed something."""
-    try:
-        with fp32_eval(model), rehearsal(model, sites, p, set(p.uncalled), output_fix):
-            parity = compare_to(reference, model)
-    except Exception as e:
-        raise NotExact(f"the plan could not be rehearsed ({type(e).__name__}: {first_line(e, strip=True)})") from None
+    with fp32_eval(model), rehearsal(model, sites, p, set(p.uncalled)):
+        parity = compare_to(reference, model)
     tol = TOLERANCE[torch.float32]
     if not parity.finite or not parity.max_rel <= tol:
-        raise NotExact(f"the traced plan failed verification before any edit (max relative "
-                       f"{parity.worst or parity.output} error "
-                       f"{parity.max_rel:.2e} > {tol:g}): the model does something the trace does not see")
+        raise NotExact(Refusal(Cause.UNVERIFIED, f"the traced plan failed verification before any edit (max "
+                               f"relative {parity.worst or parity.output} error {parity.max_rel:.2e} > {tol:g}): the "
+                               "model does something the trace does not see"))
 
 
 @torch.no_grad()
@@ -223,9 +210,9 @@ class InMemory:
 
 def exact(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """Function-preserving: centre the residual writers, fold norm biases, verify after the swap."""
-    return plan_or_naive("exact", model, sites, steps or InMemory())
+    return plan_or_naive(Method.EXACT, model, sites, steps or InMemory())
 
 
 def auto(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """exact where the trace shows it possible, otherwise naive with a warning."""
-    return plan_or_naive("auto", model, sites, steps or InMemory())
+    return plan_or_naive(Method.AUTO, model, sites, steps or InMemory())

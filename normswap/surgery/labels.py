@@ -1,5 +1,7 @@
-"""The plan's vocabulary as small types: what a traced value is made of (`Label`), who read it (`User`), and
-why a norm cannot be made exact (`Refusal`). Decisions read their fields; their text is for messages only.
+"""The plan's vocabulary as small types: what a traced value is made of (`Label`), who read it (`User`), what
+happens to a norm's bias (`BiasPlan`), why a norm cannot be made exact (`Refusal`, with its `Cause`) and the
+exception that says so (`NotExact`: the one failure `auto` falls back to naive on). Decisions read their fields;
+their text is for messages only.
 
 `Label` and `Refusal` are also the text they render (a str): they sort, compare and print (in `inspect
 --json`, in reports) exactly as the strings they replace did, so step order and every message stay as
@@ -9,6 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal, get_args
+
+from normswap.errors import Choice, NormswapError
+
+LabelKind = Literal["layer", "norm", "param", "scale", "entry"]
+UserKind = Literal["module", "operation", "attention", "output", "reader"]
 
 
 class Label(str):
@@ -18,9 +26,9 @@ class Label(str):
     or an opaque value entering a block ("entry"). Its text: "<kind>:<name>", plus "#<axis>"."""
 
     __slots__ = ("kind", "name", "axis")
-    KINDS = ("layer", "norm", "param", "scale", "entry")
+    KINDS = get_args(LabelKind)
 
-    def __new__(cls, kind: str, name: str, axis: int | None = None) -> Label:
+    def __new__(cls, kind: LabelKind, name: str, axis: int | None = None) -> Label:
         if kind not in cls.KINDS:
             raise ValueError(f"not a label kind: {kind}")
         self = super().__new__(cls, f"{kind}:{name}" + ("" if axis is None else f"#{axis}"))
@@ -42,7 +50,7 @@ class Label(str):
         """The label as messages name it: its name, with "#<axis>" for a parameter's other dim."""
         return self.name if self.axis is None else f"{self.name}#{self.axis}"
 
-    def of(self, kind: str) -> Label:
+    def of(self, kind: LabelKind) -> Label:
         """The same name and axis as another kind (a scale's parameter, a parameter's scale)."""
         return Label(kind, self.name, self.axis)
 
@@ -53,7 +61,7 @@ class User:
     name, `where` the module it ran in), nn.MultiheadAttention ("attention", `where`), the model's output
     ("output": `name` "" for the main one, else its dotted name) or a layer reading a norm ("reader")."""
 
-    kind: str
+    kind: UserKind
     name: str = ""
     cls: str = ""
     where: str = ""
@@ -80,8 +88,17 @@ class User:
         return self.name if self.kind == "output" and "." in self.name else None
 
 
+class BiasPlan(Choice):
+    """What the exact plan does with a norm's bias (see `plan`)."""
+
+    FOLD = "fold"       # folded into the linear layers reading the norm
+    AFTER = "after"     # kept as a bias after the norm (an output fix)
+    STREAM = "stream"   # the norm writes the stream: its output centred, its centred bias kept after
+    NONE = "none"       # no bias
+
+
 class Cause(Enum):
-    """What a refusal is about: the kind decisions read (`plan.keepable`, `Plan.reason`)."""
+    """What a refusal is about: the kind decisions read (`plan.keepable`, `Plan.reason`, `auto`'s fallback)."""
 
     UNRUN = "unrun"               # a norm, or a parameter wide enough to write the stream, did not run
     OPAQUE = "opaque"             # a norm's input is not a sum of layer outputs
@@ -94,7 +111,9 @@ class Cause(Enum):
     UNCENTRABLE = "uncentrable"   # a source no weight edit centres
     GROUPS = "groups"             # channel groups no centring satisfies
     PINNED = "pinned"             # kept as a LayerNorm because a kept norm sees its centring
-    PLAN = "plan"                 # no plan at all: no input to trace, the trace or the derivation failed
+    INPUTS = "inputs"             # no sample input to trace the model on
+    FORWARD = "forward"           # the model's own forward failed on its sample inputs while traced
+    UNVERIFIED = "unverified"     # the plan failed verification: rehearsed before the edits, or after them
 
 
 class Refusal(str):
@@ -117,3 +136,16 @@ class Refusal(str):
 
     def __getstate__(self):
         return None
+
+
+class NotExact(NormswapError):
+    """No exact form here, because of `refusal` (its `cause` says which kind): under `auto` the model is converted
+    naively instead (`exact.auto_or_naive`); any other exception is a bug, never a fallback."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal)
+        self.refusal = refusal
+
+    @property
+    def cause(self) -> Cause:
+        return self.refusal.cause

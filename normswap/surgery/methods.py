@@ -3,7 +3,7 @@
 A method takes the model and the LayerNorms found by the walk, may rewrite weights, and says what it
 did per norm. The walk and the module swap are the same for every method (see `convert`). "naive" is
 here; "exact" and "auto" are in `exact`, and take the `ExactSteps` that plan and apply the exact edits
-(in memory by default; `pipeline.stream` records them instead, to apply while it writes).
+(in memory by default; `pipeline.lazy_convert` records them instead, to apply while it writes).
 """
 from __future__ import annotations
 
@@ -12,14 +12,31 @@ from typing import Protocol
 
 from torch import nn
 
+from normswap.errors import Choice
 from normswap.surgery.plan import Plan
 from normswap.surgery.walk import NormSite
 
 
+class Method(Choice):
+    """How `convert` treats a LayerNorm's bias: `convert(method=...)` takes these (or their strings)."""
+
+    AUTO = "auto"     # exact where the traced plan allows it, else naive with a warning
+    EXACT = "exact"   # function-preserving, verified; refuses what it cannot do
+    NAIVE = "naive"   # the paper's swap: the bias dropped
+
+
+class BiasFate(Choice):
+    """What became of a converted norm's bias (a report row's `bias`)."""
+
+    DROPPED = "dropped"
+    FOLDED = "folded"   # into the readers, or kept after the norm: either way the function is kept
+    NONE = "none"       # it had none
+
+
 @dataclass
 class MethodResult:
-    method: str                                          # the method that ran ("auto" resolves to one)
-    bias: dict[str, str] = field(default_factory=dict)   # norm name -> "dropped" | "folded" | "none"
+    method: Method                                            # the method that ran ("auto" resolves to one)
+    bias: dict[str, BiasFate] = field(default_factory=dict)   # norm name -> what became of its bias
     added_biases: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     per_norm_method: dict[str, str] = field(default_factory=dict)  # when methods differ per norm
@@ -43,5 +60,5 @@ class ExactSteps(Protocol):
 
 def naive(model: nn.Module, sites: list[NormSite], steps: ExactSteps | None = None) -> MethodResult:
     """The paper's swap: keep the gain, drop the bias. Changes the function wherever a bias is non-zero."""
-    return MethodResult("naive", bias={s.name: "dropped" if s.bias is not None and s.bias_norm > 0 else "none"
-                                       for s in sites})
+    return MethodResult(Method.NAIVE, bias={s.name: BiasFate.DROPPED if s.bias is not None and s.bias_norm > 0
+                                            else BiasFate.NONE for s in sites})

@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import torch
 
-METHODS = ("hadamard", "random")
+from normswap.choices import Rotation
+
+METHODS = get_args(Rotation)   # the orthogonal matrices `rotation` builds
 
 
 def _prime(q: int) -> bool:

@@ -1,25 +1,16 @@
 """The exact-conversion plan: plain data naming modules and parameters, derived from the traced forwards.
 
 Per norm: its sources (what its input is a sum of, over every call), its readers (linear layers reading
-its output) and what happens to its bias: "fold" into the readers, "after" (kept as a bias after the norm:
-a reader is not linear or also reads something else, the output is returned, or folding would give bias-less
-readers biases more than WIDE_FOLD times the norm's width, as an LM head's vocabulary-wide one), "stream"
+its output) and what happens to its bias (a `labels.BiasPlan`): FOLD into the readers, AFTER (kept as a bias
+after the norm: a reader is not linear or also reads something else, the output is returned, or folding would give
+bias-less readers biases more than WIDE_FOLD times the norm's width, as an LM head's vocabulary-wide one), STREAM
 (the norm's output is itself a stream writer, as BLOOM's embedding norm: its output is centred and its centred bias
-kept after), "none" (no bias). `reason` (a `labels.Refusal`) says why a norm cannot be made exact (then the
+kept after), NONE (no bias). `reason` (a `labels.Refusal`) says why a norm cannot be made exact (then the
 plan is refused as a whole); `Plan.reasons` holds the model-wide ones (a parameter that never ran);
 `not_kept` lists returned outputs that cannot be preserved (the residual stream). Sources are
 `labels.Label`s; decisions read a refusal's cause, never its text.
 
-The steps apply the plan one small independent edit at a time, each touching only the modules it names
-through `model.get_submodule`, so a streaming applier can materialise just what a step needs:
-- Step("centre", target, group, ranges): make the target's outputs zero-mean over groups of `group`
-  channels along its output dim, or over each of `ranges` only (q/k of a fused q/k/v projection; v stays);
-  a layer's weight and bias, or a "param:" parameter's last dim;
-- Step("fold", target, norm): target.bias += W @ norm.bias;
-- Step("scale", target, norm): fold the per-channel scale `target` (a LayerScale module, or a "param:"
-  parameter multiplied into the stream) into the layer `norm` before it and set the scale to 1;
-- Step("fix", target, norm, centre): after the swap, centre target's output and/or add norm's bias
-  after it (see `centring`); norm="input": centre target's first input instead (an "entry" source).
+The steps (`steps`: one small class per kind of edit) apply the plan one small independent edit at a time.
 """
 from __future__ import annotations
 
@@ -28,12 +19,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
-from normswap.surgery.labels import Cause, Label, Refusal, User
+from normswap.surgery.labels import BiasPlan, Cause, Label, Refusal, User
 from normswap.surgery.reach import dead, read_names, unreachable
 from normswap.surgery.record import Trace
+from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale, Step
 from normswap.surgery.walk import NormSite
 
-PARAM = "param:"   # a Step target naming a parameter, not a module
 WIDE_FOLD = 4      # a norm's bias is folded unless the biases that creates are wider than this times the norm
 
 
@@ -43,25 +34,9 @@ class NormPlan:
     width: int
     sources: list[Label] = field(default_factory=list)
     readers: list[str] = field(default_factory=list)
-    bias: str = "none"              # "fold" | "after" | "stream" | "none"
+    bias: BiasPlan = BiasPlan.NONE
     reason: Refusal | None = None   # why this norm cannot be made exact
     shifted: bool = False           # its input is no plain sum: centring its sources changes it, even as a LayerNorm
-
-
-@dataclass
-class Step:
-    op: str                # "centre" | "fold" | "scale" | "fix"
-    target: str            # a module's (or a "param:"-prefixed parameter's) qualified name
-    group: int = 0         # centre: group size along the output dim
-    norm: str = ""         # fold/fix: the norm whose bias moves; scale: the layer the scale folds into
-    centre: bool = False   # fix: centre the output too
-    ranges: tuple = ()     # centre: ((start, stop), ...) centred one by one, the other channels kept
-    axis: int = -1         # centre of a "param:": the dim that holds its output channels
-
-    @property
-    def param(self) -> str | None:
-        """The parameter the target names ("param:<name>"); None for a module."""
-        return self.target[len(PARAM):] if self.target.startswith(PARAM) else None
 
 
 @dataclass
@@ -192,19 +167,19 @@ def _source_reason(model: nn.Module, t: Trace, norm: str, label: Label, ranges, 
     return None
 
 
-def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> str:
+def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> BiasPlan:
     label = Label("norm", s.name)
     if s.bias is None or not s.bias.detach().any():
-        return "none"
+        return BiasPlan.NONE
     if t.fed_norms.get(label):
-        return "stream"
+        return BiasPlan.STREAM
     if readers and not t.uses.get(label) and all(is_linear(model.get_submodule(r)) and t.reads[r] == {label}
                                                  for r in readers):
         # Folding gives each bias-less reader a bias: an add per row as wide as its output. Where that is far
         # wider than the norm (a vocabulary-wide LM head), the bias kept after the norm costs less.
         created = sum(out_width(layer) for layer in map(model.get_submodule, readers) if layer.bias is None)
-        return "after" if created > WIDE_FOLD * s.bias.numel() else "fold"
-    return "after"
+        return BiasPlan.AFTER if created > WIDE_FOLD * s.bias.numel() else BiasPlan.FOLD
+    return BiasPlan.AFTER
 
 
 def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
@@ -253,7 +228,8 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                 if label.kind == "norm" else "the residual stream, returned centred (each row minus its mean)"
                 for label in needs for user in t.uses.get(label, {}) if (name := user.nested)}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
-    uncalled = [s.target for s in steps if s.op == "centre" and s.param is None and s.target not in t.called]
+    uncalled = [s.target.name for s in steps if isinstance(s, Centre) and isinstance(s.target, Module)
+                and s.target.name not in t.called]
     return Plan(norms, steps, reasons, dict(sorted(not_kept.items())), uncalled)
 
 
@@ -324,34 +300,34 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
             group, ranges = groups.get(label, (p.width, ()))
             if kind == "norm":   # a norm writing the stream: centre its output (bias: see below)
                 if name not in sites and not hasattr(model.get_submodule(name), "normswap_centre"):
-                    steps.append(Step("fix", name, centre=True))
+                    steps.append(Fix(name, centre=True))
                 continue
             if kind == "entry":   # an opaque sum entering a block: centred at the block's input
                 if not getattr(model.get_submodule(name), "normswap_centre_input", False):
-                    steps.append(Step("fix", name, centre=True, norm="input"))
+                    steps.append(Fix(name, centre=True, at_input=True))
                 continue
             layer = model.get_submodule(name) if kind == "layer" else None
             if _fixed(model, label):
                 if not hasattr(layer, "normswap_centre"):   # centred at lookup already (earlier pass)
-                    steps.append(Step("fix", name, centre=True))
+                    steps.append(Fix(name, centre=True))
                 continue
             if label in t.scales:
                 inner = next(iter(t.scales[label][0].labels)).name
-                target = PARAM + label.ref if kind == "scale" else name
-                steps += [Step("scale", target, norm=inner), Step("centre", inner, group=group, ranges=ranges)]
+                scale = Param(name) if kind == "scale" else Module(name)
+                steps += [Scale(scale, into=inner), Centre(Module(inner), group, ranges)]
                 continue
             if kind == "param":   # axis -2: F.linear's weight, whose rows are the channels
                 axis = -1 if label.axis is None else label.axis
-                steps.append(Step("centre", PARAM + name, group=group, ranges=ranges, axis=axis))
+                steps.append(Centre(Param(name, axis), group, ranges))
                 continue
-            steps.append(Step("centre", name, group=group, ranges=ranges))
+            steps.append(Centre(Module(name), group, ranges))
     for p in norms.values():
-        if p.bias == "fold":
-            steps += [Step("fold", r, norm=p.name) for r in p.readers]
-        elif p.bias in ("after", "stream"):
-            steps.append(Step("fix", p.name, norm=p.name, centre=p.bias == "stream"))
+        if p.bias is BiasPlan.FOLD:
+            steps += [Fold(r, p.name) for r in p.readers]
+        elif p.bias in (BiasPlan.AFTER, BiasPlan.STREAM):
+            steps.append(Fix(p.name, norm=p.name, centre=p.bias is BiasPlan.STREAM))
         elif Label("norm", p.name) in t.fed_norms:
-            steps.append(Step("fix", p.name, centre=True))
+            steps.append(Fix(p.name, centre=True))
     return steps
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from normswap.io.portable import first_input
+from normswap.folder.portable import first_input
 from normswap.models.introspect import floating_buffers, in_width, is_scale, norm_kind
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
@@ -23,11 +23,6 @@ from normswap.surgery.tensormap import TensorMap
 IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
           "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
 MHA = "multi_head_attention_forward"
-PRODUCTS = {"linear", "matmul", "__matmul__", "bmm", "mm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
-# Moves whose other tensor arguments are indices, masks or zeros, not values moved.
-INDEXED = {"__getitem__", "index_select", "gather", "take_along_dim", "masked_fill", "masked_fill_", "where",
-           "__setitem__", "index_put", "index_put_", "embedding", "repeat_interleave", "roll", "pad", "unfold",
-           "expand_as", "view_as", "reshape_as", "masked_scatter", "masked_scatter_"}
 
 
 @dataclass
@@ -116,8 +111,12 @@ class Recorder(TorchFunctionMode):
         self.deferred.clear()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))   # the model's own operation: a failure here is the model's
+        self.observe(func, args, kwargs or {}, out)
+        return out
+
+    def observe(self, func, args, kwargs, out) -> None:
+        """What `func` did to the flows of the tensors it read and wrote."""
         name = getattr(func, "__name__", str(func))
         if name == "__get__" and tensors_in(out):   # a property giving a tensor: .data, .T, .mT...
             name = "__get__." + getattr(getattr(func, "__self__", None), "__name__", "")
@@ -130,7 +129,6 @@ class Recorder(TorchFunctionMode):
                 self.read(x)
         if self.inside is None and name not in IGNORE:
             self.record(func, name, args, kwargs, out, ins)
-        return out
 
     def read(self, x: torch.Tensor) -> None:
         """x's values are read: a pending slice becomes a use."""
@@ -187,7 +185,7 @@ class Recorder(TorchFunctionMode):
         if name in rules.MOVE:
             if dark or (dark := self.rebuilt_in(untracked)):
                 return dark
-            if untracked and name not in INDEXED:
+            if untracked and name not in rules.INDEXED:
                 return f"{name} with a value the trace does not follow"
             return rules.rearranged(func, name, args, kwargs, pure, outs)
         if name in rules.SUM:
@@ -199,7 +197,7 @@ class Recorder(TorchFunctionMode):
             flow = rules.combined(pure, outs[0])
         elif name in rules.SCALE:
             flow = self._scale(name, args, pure, others, outs[0])
-        elif name in PRODUCTS and (flow := self._weights(name, args, kwargs)) is not None:
+        elif name in rules.PRODUCTS and (flow := self._weights(name, args, kwargs)) is not None:
             pass
         elif name in rules.ACCUMULATE and dark:
             return dark

@@ -2,7 +2,8 @@
 
 The conversion edits the model in place and no copy is kept, so a plan that fails verification after the
 edits leaves a model that is neither the original nor naive. `rehearsal` runs the plan as forward hooks
-instead: each step's effect on its module's output, computed by the same functions the edits use
+instead (`Rehearsal`, an editor of the one interpreter, `interpret.carry_out`): each step's effect on its
+module's output, computed by the same functions the edits use
 (`algebra.centred`, `algebra.bias_shift`, `centring.fixed`, the RMSNorm op), with the norms computing
 RMSNorm. Parameters used by hand (a scale factor; a layer whose weights another module uses without
 calling it, as nn.MultiheadAttention's out_proj, centred and scaled by a LayerScale after the attention)
@@ -18,10 +19,11 @@ import torch
 from torch import nn
 
 from normswap import ops
-from normswap.surgery.algebra import (bias_shift, centred, centred_copy, named_tensor, output_dim, scale_parameter,
-                                      scaled_outputs)
+from normswap.surgery.algebra import bias_shift, centred, centred_copy, named_tensor, output_dim, scaled_outputs
 from normswap.surgery.centring import centre_input, fixed
-from normswap.surgery.plan import Plan, Step
+from normswap.surgery.interpret import carry_out
+from normswap.surgery.plan import Plan
+from normswap.surgery.steps import Centre, Fix, Fold, Param, Scale
 from normswap.surgery.walk import NormSite
 
 
@@ -29,7 +31,7 @@ def _channel_dim(module: nn.Module, out: torch.Tensor) -> int:
     return 1 if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) else out.dim() - 1
 
 
-def _centre_hook(step: Step):
+def _centre_hook(step: Centre):
     def hook(module, args, out):
         return centred(out, _channel_dim(module, out), step.group, step.ranges).to(out.dtype)
     return hook
@@ -75,43 +77,55 @@ class _Swaps:
             param.data = data
 
 
+class Rehearsal:
+    """The editor (`interpret.Editor`) that makes each step a forward hook on its module, or, for a tensor used
+    by hand (a parameter, a layer in `uncalled`), swaps in its edited value (`swaps`); the fixes are hooked last."""
+
+    def __init__(self, uncalled: set[str], swaps: _Swaps):
+        self.uncalled, self.swaps = uncalled, swaps
+        self.hooks: dict[str, list] = {}   # per module, in the order the edits compose: fold, scale, centre
+        self.fixes: list[tuple[str, bool, object]] = []   # (module, at its input, hook)
+
+    def centre(self, model: nn.Module, step: Centre) -> None:
+        if isinstance(step.target, Param) or step.target.name in self.uncalled:
+            _centre_by_value(model, step, self.swaps)
+        else:
+            self.hooks.setdefault(step.target.name, []).append(_centre_hook(step))
+
+    def fold(self, model: nn.Module, step: Fold, b: torch.Tensor) -> bool:
+        shift = bias_shift(model.get_submodule(step.reader), b)
+        self.hooks.setdefault(step.reader, []).insert(0, _shift_hook(shift))
+        return False
+
+    def scale(self, model: nn.Module, step: Scale, lam: torch.Tensor) -> None:
+        if step.into in self.uncalled:   # nn.MultiheadAttention's out_proj: its weights are used by hand
+            for param, value in scaled_outputs(model.get_submodule(step.into), lam):
+                self.swaps.put(param, value)
+        else:
+            self.hooks.setdefault(step.into, []).append(_scale_hook(lam.detach().clone()))
+        self.swaps.put(lam, torch.ones_like(lam))
+
+    def fix(self, model: nn.Module, step: Fix, centre: bool, bias: torch.Tensor | None) -> None:
+        self.fixes.append((step.target, step.at_input, centre_input if step.at_input else _fix_hook(centre, bias)))
+
+
 @contextmanager
 @torch.no_grad()
-def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[str], output_fix):
+def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[str]):
     """Within: `model` computes what the plan would make of it (see the module docstring). `uncalled`:
-    layers whose weights are used without calling them (edited by value); `output_fix(model, step)` gives a
-    fix step's (centre, bias)."""
+    layers whose weights are used without calling them (edited by value)."""
     handles, swaps = [], _Swaps()
-    hooks: dict[str, list] = {}
     try:
-        for step in p.steps:   # per module, in the order the edits compose: fold, scale, centre, fixes
-            if step.op == "fold":
-                layer = model.get_submodule(step.target)
-                b = model.get_submodule(step.norm).bias.detach().double()
-                hooks.setdefault(step.target, []).insert(0, _shift_hook(bias_shift(layer, b)))
-            elif step.op == "scale":
-                lam = scale_parameter(model, step.target)
-                if step.norm in uncalled:   # nn.MultiheadAttention's out_proj: its weights are used by hand
-                    for param, value in scaled_outputs(model.get_submodule(step.norm), lam):
-                        swaps.put(param, value)
-                else:
-                    hooks.setdefault(step.norm, []).append(_scale_hook(lam.detach().clone()))
-                swaps.put(lam, torch.ones_like(lam))
-            elif step.op == "centre" and (step.param is not None or step.target in uncalled):
-                _centre_by_value(model, step, swaps)
-            elif step.op == "centre":
-                hooks.setdefault(step.target, []).append(_centre_hook(step))
+        editor = Rehearsal(uncalled, swaps)
+        carry_out(model, p.steps, editor)
         for s in sites:
             handles.append(s.module.register_forward_hook(_rms_hook(s)))
-        for name, fns in hooks.items():
+        for name, fns in editor.hooks.items():
             handles += [model.get_submodule(name).register_forward_hook(fn) for fn in fns]
-        for step in p.steps:
-            if step.op == "fix" and step.norm == "input":
-                handles.append(model.get_submodule(step.target).register_forward_pre_hook(centre_input,
-                                                                                          with_kwargs=True))
-            elif step.op == "fix":
-                handles.append(model.get_submodule(step.target).register_forward_hook(_fix_hook(
-                    *output_fix(model, step))))
+        for name, at_input, hook in editor.fixes:
+            module = model.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True) if at_input else
+                           module.register_forward_hook(hook))
         yield model
     finally:
         for h in handles:
@@ -119,12 +133,12 @@ def rehearsal(model: nn.Module, sites: list[NormSite], p: Plan, uncalled: set[st
         swaps.restore()
 
 
-def _centre_by_value(model: nn.Module, step: Step, swaps: _Swaps) -> None:
-    if step.param is not None:
-        param = named_tensor(model, step.param)
-        swaps.put(param, centred_copy(param, param.dim() + step.axis, step.group, step.ranges))
+def _centre_by_value(model: nn.Module, step: Centre, swaps: _Swaps) -> None:
+    if isinstance(step.target, Param):
+        param = named_tensor(model, step.target.name)
+        swaps.put(param, centred_copy(param, param.dim() + step.target.axis, step.group, step.ranges))
         return
-    layer = model.get_submodule(step.target)
+    layer = model.get_submodule(step.target.name)
     swaps.put(layer.weight, centred_copy(layer.weight, output_dim(layer), step.group, step.ranges))
     if not isinstance(layer, nn.Embedding) and getattr(layer, "bias", None) is not None:
         swaps.put(layer.bias, centred_copy(layer.bias, 0, step.group, step.ranges))

@@ -5,6 +5,10 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from normswap.errors import printable
+from normswap.norms import NormType
+from normswap.surgery.labels import BiasPlan
+from normswap.surgery.methods import BiasFate, Method
+from normswap.surgery.walk import Skipped
 
 
 @dataclass
@@ -13,19 +17,19 @@ class NormRecord:
     replaced: str          # class name of the LayerNorm that was replaced
     width: int
     eps: float
-    to: str                # "rmsnorm" | "prmsnorm"
-    method: str            # "naive" | "exact" | "approximate" (pRMSNorm: the exact method's folding, then pRMSNorm)
-    bias: str              # "dropped" | "folded" | "none"
+    to: NormType
+    method: str            # a Method ("naive" | "exact"), or "approximate" (pRMSNorm: the exact folding, then pRMSNorm)
+    bias: BiasFate
     bias_norm: float       # L2 norm of the LayerNorm bias
 
 
 @dataclass
 class ConversionReport:
-    to: str
-    method: str
+    to: NormType
+    method: Method
     p: float | None = None
     converted: list[NormRecord] = field(default_factory=list)
-    skipped: list[dict] = field(default_factory=list)       # {name, cls, reason}
+    skipped: list[Skipped] = field(default_factory=list)
     already_rms: list[str] = field(default_factory=list)
     added_biases: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -38,7 +42,7 @@ class ConversionReport:
         return len(self.converted)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "skipped": [s.to_dict() for s in self.skipped]}
 
     def to_json(self, **kw) -> str:
         return json.dumps(self.to_dict(), **kw)
@@ -50,7 +54,7 @@ class ConversionReport:
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        dropped = sum(r.bias == "dropped" for r in self.converted)
+        dropped = sum(r.bias == BiasFate.DROPPED for r in self.converted)
         p = f" (p={self.p})" if self.p is not None else ""
         summary = (f"converted {self.num_converted} LayerNorm -> {self.to}{p} with method '{self.method}'"
                    f"; biases dropped: {dropped}; already RMSNorm: {len(self.already_rms)}"
@@ -58,7 +62,7 @@ class ConversionReport:
         if self.added_biases:
             summary += f"; biases added to {len(self.added_biases)} layers"
         out = lines + [summary] if self.converted else [summary]
-        out += [f"skipped {s['name']} ({s['cls']}): {s['reason']}" for s in self.skipped]
+        out += [f"skipped {s.name} ({s.cls}): {s.reason}" for s in self.skipped]
         out += [f"not preserved: {n}: {why}" for n, why in self.not_preserved.items()]
         out += [f"warning: {w}" for w in self.warnings] if warnings else []
         return "\n".join(map(printable, out))   # names from a file: one line each, no terminal escapes
@@ -66,8 +70,8 @@ class ConversionReport:
     __str__ = to_table
 
 
-BIAS_FATE = {"fold": "exact: bias folded", "after": "exact: bias kept after the norm",
-             "stream": "exact: output centred, bias kept after", "none": "exact"}
+BIAS_FATE = {BiasPlan.FOLD: "exact: bias folded", BiasPlan.AFTER: "exact: bias kept after the norm",
+             BiasPlan.STREAM: "exact: output centred, bias kept after", BiasPlan.NONE: "exact"}
 
 
 def _short(names: list[str], n: int = 3) -> str:

@@ -29,15 +29,15 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
-from normswap.models.section import has_config, section, set_section
+from normswap.folder.attached import has_config, section, set_section
 from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.orthogonal import METHODS, rotation
-from normswap.surgery.plan import PARAM
+from normswap.surgery.steps import Param
 from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
-from normswap.surgery.trace import trace
+from normswap.surgery.trace import ForwardFailed, trace
 from normswap.surgery.trainable import kept_trainable
 
 __all__ = ["NotRotatable", "RotationReport", "rotate"]
@@ -98,8 +98,8 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         raise NotRotatable(f"no sample input to trace it ({first_line(e, strip=True)})") from None
     try:
         t = trace(model, inputs, set(norms), rotating=True)
-    except Exception as e:   # the forward failed: say so instead of a traceback
-        raise NotRotatable(f"tracing failed: {type(e).__name__}: {first_line(e, strip=True)}") from None
+    except ForwardFailed as e:   # the model's forward failed: say so instead of a traceback
+        raise NotRotatable(f"tracing failed: {e}") from None
     found = find_streams(model, t, norms)
     reference = verification.reference(model, found.not_preserved, example_inputs)
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
@@ -113,7 +113,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
             q, what = rotation(s.width, method, seed + i)
             _rotate_stream(model, s, q)
             report.streams.append({"width": s.width, "q": what, "norms": s.norms,
-                                   "writers": [w.target for w in s.writers], "readers": sorted(s.readers)})
+                                   "writers": [str(w.target) for w in s.writers], "readers": sorted(s.readers)})
             report.unrotated.update(_unrotated(s))
     _record(model, report, found)
     report.verification = _verify(reference, model)
@@ -175,18 +175,18 @@ def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int]) -> None:
-    if w.target.startswith(PARAM):
-        p = named_tensor(model, w.target[len(PARAM):])
+    if isinstance(w.target, Param):
+        p, axis = named_tensor(model, w.target.name), w.target.axis
         if id(p) not in done:
             done.add(id(p))
-            p.copy_(_times_q(p, p.dim() + w.axis if w.axis < 0 else w.axis, q.to(p.device)).to(p.dtype))
+            p.copy_(_times_q(p, p.dim() + axis if axis < 0 else axis, q.to(p.device)).to(p.dtype))
         return
-    layer = model.get_submodule(w.target)
+    layer = model.get_submodule(w.target.name)
     if w.centre:   # the conversion's output fix (a tied embedding centred at lookup), moved into the weights
         centre_outputs(model, w.target, 0)
         layer.normswap_centre = False
     dim = output_dim(layer)
-    for p in _weights(model, w.target):
+    for p in _weights(model, w.target.name):
         if id(p) not in done:
             done.add(id(p))
             p.copy_(_times_q(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
@@ -209,9 +209,9 @@ def _unrotated(s: Stream) -> dict[str, str]:
     """What the stream's matrix fixes keep unrotated, per norm or block (the report's `unrotated`)."""
     d = f"a {s.width} x {s.width} matmul"
     out = {n: f"its output stays unrotated, read by {who}: {d} after it" for n, who in s.kept.items()}
-    out.update({w.target: f"its input stays unrotated, its output writes the stream: {d} after it"
+    out.update({w.target.name: f"its input stays unrotated, its output writes the stream: {d} after it"
                 for w in s.writers if w.norm})
-    return {**out, **{w.target: f"the opaque value entering the stream at its input stays unrotated: {d} in its "
+    return {**out, **{w.target.name: f"the opaque value entering the stream at its input stays unrotated: {d} in its "
                                  "input fix" for w in s.writers if w.entry}}
 
 
@@ -250,9 +250,9 @@ def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
     done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
     for w in s.writers:
         if w.norm:
-            _matrix_fix(model, w.target, s.width, r_out=q)
+            _matrix_fix(model, w.target.name, s.width, r_out=q)
         elif w.entry:   # its input fix centres the value entering the stream, then multiplies it by M <- M·Q
-            block = model.get_submodule(w.target)
+            block = model.get_submodule(w.target.name)
             m = getattr(block, "normswap_input_matrix", None)
             m = q if m is None else m.detach().double().cpu() @ q
             ref = next(p for p in model.parameters() if p.is_floating_point())
@@ -280,7 +280,7 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     record = section(model)
     if record is None:
         return
-    moved = {w.target for s in found.streams for w in s.writers if w.centre} | \
+    moved = {w.target.name for s in found.streams for w in s.writers if w.centre} | \
         {n for s in found.streams for n in s.biased}   # now in the weights
     fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
     fixes.update({n: describe_fix(model.get_submodule(n)) for n in report.unrotated})   # their matrices

@@ -45,6 +45,11 @@ MATMUL = {"matmul", "__matmul__", "__rmatmul__", "bmm", "mm"}
 ACCUMULATE = {"index_add", "index_add_", "scatter_add", "scatter_add_"}
 ZEROS = {"zeros", "zeros_like", "new_zeros"}
 CLAMP = {"clamp", "clip", "clamp_", "clip_"}
+PRODUCTS = {"linear", "matmul", "__matmul__", "bmm", "mm", "_grouped_mm", "grouped_mm", "grouped_mm_fallback"}
+# Moves whose other tensor arguments are indices, masks or zeros, not values moved.
+INDEXED = {"__getitem__", "index_select", "gather", "take_along_dim", "masked_fill", "masked_fill_", "where",
+           "__setitem__", "index_put", "index_put_", "embedding", "repeat_interleave", "roll", "pad", "unfold",
+           "expand_as", "view_as", "reshape_as", "masked_scatter", "masked_scatter_"}
 
 
 def _substitute(obj, table: dict[int, torch.Tensor]):

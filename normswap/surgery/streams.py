@@ -34,8 +34,9 @@ from normswap.models.introspect import is_linear, norm_kind
 from normswap.norms import PartialRMSNorm, RMSNorm
 from normswap.surgery.algebra import scale_parameter
 from normswap.surgery.labels import Label
-from normswap.surgery.plan import PARAM, centrable
+from normswap.surgery.plan import centrable
 from normswap.surgery.record import OTHER, Trace
+from normswap.surgery.steps import Module, Param, Target
 
 
 class NotRotatable(NormswapError):
@@ -44,12 +45,11 @@ class NotRotatable(NormswapError):
 
 @dataclass
 class Writer:
-    """A stream writer: `target` a module, or PARAM + a parameter's name whose dim `axis` holds the channels;
+    """A stream writer: `target` a `Module`, or a `Param` (whose dim `axis` holds the channels);
     `centre`: its output is centred by an output fix, which the rotation moves into its weights; `norm`: a norm
     (its input is not rotated; an output fix multiplies its output by Q); `entry`: a block whose input fix
     centres an opaque value entering the stream (Whisper's encoder: it multiplies it by Q too)."""
-    target: str
-    axis: int = -1
+    target: Target
     centre: bool = False
     norm: bool = False
     entry: bool = False
@@ -141,22 +141,21 @@ def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
         if t.readers.get(label.name):
             raise NotRotatable(f"{t.readers[label.name][0]} reads {label.name}'s output, which is also written into "
                                "the stream: only a stream read through norms can be rotated")
-        return Writer(label.name, norm=True)
+        return Writer(Module(label.name), norm=True)
     if label.kind == "entry":
         if not getattr(model.get_submodule(label.name), "normswap_centre_input", False):
             raise NotRotatable(f"an opaque value enters the stream at {label.name} without an input fix: nothing "
                                "rotates it")
-        return Writer(label.name, entry=True)
+        return Writer(Module(label.name), entry=True)
     if label in t.scales:   # a per-channel scale (folded into its layer by the conversion): constant, or refused
-        target = PARAM + label.ref if label.kind == "scale" else label.name
-        lam = scale_parameter(model, target).detach()
+        lam = scale_parameter(model, Param(label.name) if label.kind == "scale" else Module(label.name)).detach()
         inner = {lb for f in t.scales[label] for lb in f.labels}
         if len(inner) != 1 or not bool((lam == lam.flatten()[0]).all()):
             raise NotRotatable(f"{label.ref} scales the stream per channel: a rotation does not commute with it "
                                "(fold it first: convert exactly)")
         return _writer(model, t, next(iter(inner)))
     if label.kind == "param":
-        return Writer(PARAM + label.name, -1 if label.axis is None else label.axis)
+        return Writer(Param(label.name, -1 if label.axis is None else label.axis))
     module = model.get_submodule(label.name)
     if label.kind != "layer" or centrable(module) is not None:
         raise NotRotatable(f"{label.ref} ({type(module).__name__}) writes the stream and no weight edit rotates its "
@@ -167,7 +166,7 @@ def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
     if centre and not isinstance(module, (nn.Embedding, nn.Linear)) and not is_linear(module):
         raise NotRotatable(f"{label.name} ({type(module).__name__}) is centred by an output fix that cannot be "
                            "moved into its weights")
-    return Writer(label.name, centre=bool(centre))
+    return Writer(Module(label.name), centre=bool(centre))
 
 
 def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:

@@ -18,12 +18,16 @@ returns is read by "the model output" (`plan` decides what that means). Tracing 
 merging covers norms called more than once and paths only some inputs take; parameters that still did not
 run get one training-mode forward (SpecAugment's masked embedding), and the rest are reported by `plan`.
 Cost: one forward per input; tensors are kept alive (so their ids stay unique) only for that forward.
+
+A forward that fails is the model's problem (`ForwardFailed`: a refusal, not a bug) unless the recorder's own
+code failed inside it (`Guarded.guarded`): that failure is raised as it is, a bug of normswap's.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from normswap.errors import NormswapError, first_line
 from normswap.models.introspect import is_linear, is_scale
 from normswap.models.modes import eval_mode
 from normswap.parity import by_rows, tensors_in
@@ -31,7 +35,34 @@ from normswap.surgery.flow import NormInput
 from normswap.surgery.labels import Label
 from normswap.surgery.record import IGNORE, Recorder, Trace
 
-__all__ = ["IGNORE", "Trace", "hooked", "tensors_in", "trace"]
+__all__ = ["IGNORE", "ForwardFailed", "Trace", "hooked", "tensors_in", "trace"]
+
+
+class ForwardFailed(NormswapError):
+    """The model's own forward failed on a sample input while traced (the model's problem, or its inputs', not
+    the tracer's): `error` is what it raised; the message quotes it as "<type>: <its first line>"."""
+
+    def __init__(self, error: Exception):
+        super().__init__(f"{type(error).__name__}: {first_line(error, strip=True)}")
+        self.error = error
+
+
+class Guarded(Recorder):
+    """The recorder, its own failures inside the model's forward kept (`failure`, the first): a bug of normswap's,
+    whatever the model's code then does with it (a try/except that goes on)."""
+
+    failure: Exception | None = None
+
+    def guarded(self, step, *args):
+        """`step(*args)`, one of the recorder's own steps (a hook, what an operation does to the flows)."""
+        try:
+            return step(*args)
+        except Exception as e:
+            self.failure = self.failure or e
+            raise
+
+    def observe(self, func, args, kwargs, out) -> None:
+        self.guarded(super().observe, func, args, kwargs, out)
 
 
 def hooked(module: nn.Module, name: str, norms: set[str]) -> bool:
@@ -52,26 +83,26 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str], rotating: bool 
     takes (SpecAugment's masked embedding): what it shows of those parameters is added, so that they are
     centred too rather than left unknown (nothing else from it: training-only operations do not make an exact
     eval model inexact)."""
-    active = [Recorder(model, norms, rotating)]
+    active = [Guarded(model, norms, rotating)]
     handles = []
     for name, module in model.named_modules():
         if hooked(module, name, norms):
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name: active[0].pre(n, m, a, k), with_kwargs=True))
-            handles.append(module.register_forward_hook(lambda m, a, o, n=name: active[0].post(n, m, o)))
+                lambda m, a, k, n=name: active[0].guarded(active[0].pre, n, m, a, k), with_kwargs=True))
+            handles.append(module.register_forward_hook(
+                lambda m, a, o, n=name: active[0].guarded(active[0].post, n, m, o)))
         elif next(module.children(), None) is not None:
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, k, n=name: active[0].entry(n, a, k), with_kwargs=True))
-            handles.append(module.register_forward_hook(lambda m, a, o: active[0].leave()))
+                lambda m, a, k, n=name: active[0].guarded(active[0].entry, n, a, k), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda m, a, o: active[0].guarded(active[0].leave)))
     rec = active[0]
     try:
         with eval_mode(model):
-            for x in inputs:   # a head that takes one row at a time (GPT-2 classifier, no pad token): by rows
-                by_rows(lambda batch: _forward(rec, model, batch), x)
+            _forwards(rec, model, inputs)
             rec.finish()
             unrun = {n for n, _ in model.named_parameters()} - rec.trace.ran
             if inputs and unrun:
-                active[0] = Recorder(model, norms, rotating)
+                active[0] = Guarded(model, norms, rotating)
                 _training_forward(active[0], model, inputs[0])
                 active[0].finish()
                 adopt(rec.trace, active[0].trace, unrun)
@@ -111,11 +142,25 @@ def adopt(t: Trace, seen: Trace, unrun: set[str]) -> None:
         t.ran |= params(lb)
 
 
-def _forward(rec: Recorder, model: nn.Module, x: dict) -> None:
+def _forwards(rec: Guarded, model: nn.Module, inputs: list[dict]) -> None:
+    """A traced forward per input; ForwardFailed where the model fails on one, the recorder's own failure (a
+    bug) as it is, even where the model's code caught it."""
+    try:
+        for x in inputs:   # a head that takes one row at a time (GPT-2 classifier, no pad token): by rows
+            by_rows(lambda batch: _forward(rec, model, batch), x)
+    except Exception as e:
+        if rec.failure is None:
+            raise ForwardFailed(e) from e
+        raise rec.failure from None
+    if rec.failure is not None:
+        raise rec.failure
+
+
+def _forward(rec: Guarded, model: nn.Module, x: dict) -> None:
     try:
         with rec:
             out = model(**x)
-        rec.outputs(out)
+        rec.guarded(rec.outputs, out)
     finally:
         rec.flows.clear()
         rec.pending.clear()
@@ -123,7 +168,7 @@ def _forward(rec: Recorder, model: nn.Module, x: dict) -> None:
         rec.inside = None
 
 
-def _training_forward(rec: Recorder, model: nn.Module, x: dict) -> None:
+def _training_forward(rec: Guarded, model: nn.Module, x: dict) -> None:
     """One forward in training mode that leaves no trace on the model or the RNG; skipped if it fails."""
     buffers = [(b, b.clone()) for b in model.buffers()]
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
@@ -132,8 +177,11 @@ def _training_forward(rec: Recorder, model: nn.Module, x: dict) -> None:
             model.train()
             _forward(rec, model, x)
     except Exception:   # a model that needs more in training (labels...): coverage stays as eval saw it
-        pass
+        if rec.failure is not None:   # but a failure of the recorder's own is a bug
+            raise rec.failure from None
     finally:
         model.eval()
         for b, saved in buffers:
             b.copy_(saved)
+    if rec.failure is not None:   # caught by the model's own code: still a bug
+        raise rec.failure

@@ -1,5 +1,5 @@
 """Verification of an exact conversion: the unedited model's outputs recorded, the converted model's compared
-with them, and one rule for when the tolerance is enforced (`enforced`), in memory and streaming alike.
+with them, and one rule for when the tolerance is enforced (`enforced`), in memory and lazily alike.
 
 Both runs are in fp32 and eval mode: fp16/bf16 models are cast to fp32 in place and cast back (a lossless
 round trip, no copy), so only the rounding of the rewritten weights counts (measured up to ~7e-4 / ~5e-3),
@@ -15,21 +15,28 @@ from torch import nn
 from normswap.errors import NormswapError
 from normswap.models.inputs.examples import model_inputs
 from normswap.models.modes import eval_mode
+from normswap.norms import NormType
 from normswap.parity import Parity, Reference, compare_to, grouped, reference_outputs
+from normswap.surgery.labels import Cause, NotExact, Refusal
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 PARTIAL_WARNING = ("pRMSNorm estimates the RMS from a subset of features: biases are folded exactly but the "
                    "result is approximate (verification not enforced)")
 
 
-class VerificationFailed(NormswapError):
-    """The edited model's outputs differ from the original's beyond tolerance (nothing may be saved)."""
+class VerificationFailed(NotExact):
+    """The edited model's outputs differ from the original's beyond tolerance (nothing may be saved): a refusal
+    (`Cause.UNVERIFIED`) that comes after the edits, so `auto` falls back only where it can start again from the
+    source (a checkpoint)."""
+
+    def __init__(self, text: str):
+        super().__init__(Refusal(Cause.UNVERIFIED, text))
 
 
 def enforced(report) -> bool:
     """The one verification rule: a conversion to RMSNorm must match within TOLERANCE; pRMSNorm estimates the
     RMS from a subset of features, so its error is measured and reported, not enforced."""
-    return report.to == "rmsnorm"
+    return report.to == NormType.RMSNORM
 
 
 @contextmanager

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Callable
+from enum import Enum
 
 import torch
 from torch import nn
 
 from normswap.models.introspect import config_int, norm_kind
-from normswap.surgery.probe import NotLayerNorm, probe
+from normswap.surgery.labels import Refusal
+from normswap.surgery.probe import Broken, NotLayerNorm, probe
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -17,7 +19,7 @@ FilterFn = Callable[[nn.Module, str], bool]
 class NormSite:
     """A module that computes a LayerNorm over the last dim, which `convert` will replace.
 
-    gain, bias, eps are its *effective* values, measured by probing (`probe.py`), float64 on the
+    gain, bias, eps are its *effective* values, measured by probing (`probe`), float64 on the
     module's device: a `weight + 1` norm has gain weight + 1, a non-parametric one gain 1 and bias None.
     Built with only (name, module), they are read from an nn.LayerNorm's attributes.
     """
@@ -48,11 +50,31 @@ class NormSite:
         return 0.0 if b is None else float(b.detach().double().norm())
 
 
+class Skip(Enum):
+    """Why a norm-like module is left as it is (a `Skipped` record's cause)."""
+
+    SHAPE = "shape"          # not one vector over the last dim (a multi-dim normalized_shape, 2-D gains, no width)
+    NOT_NORM = "not a norm"  # probed: not a LayerNorm over the last dim (RMSNorm, channels-first, extra arguments)
+    BROKEN = "broken"        # probed: NaN/inf on ordinary inputs (eps < 0, say): the model is broken
+    UNPROBED = "unprobed"    # probing it failed (weights that cannot be cast or copied)
+    FILTERED = "filtered"    # excluded by `filter_fn`
+    KEPT = "kept"            # a LayerNorm kept so that the rest converts exactly (`refusal`: why it could not be)
+
+
 @dataclass
 class Skipped:
+    """A module left as it is: its name and class, why (`reason`, the report's text) and the `cause` decisions
+    read; a kept norm's `refusal` (with its `labels.Cause`)."""
+
     name: str
     cls: str
     reason: str
+    cause: Skip
+    refusal: Refusal | None = None
+
+    def to_dict(self) -> dict:
+        """The report's JSON form of it."""
+        return {"name": self.name, "cls": self.cls, "reason": self.reason}
 
 
 def _candidate(module: nn.Module, hidden: int | None) -> tuple[int | None, str | None]:
@@ -99,19 +121,19 @@ def find_norms(model: nn.Module, filter_fn: FilterFn | None = None):
             continue
         width, reason = _candidate(module, hidden)
         if reason:
-            skipped.append(Skipped(name, cls, reason))
+            skipped.append(Skipped(name, cls, reason, Skip.SHAPE))
         if width is None:
             continue
         try:
             found = probe(module, width)
         except NotLayerNorm as e:
-            skipped.append(Skipped(name, cls, str(e)))
+            skipped.append(Skipped(name, cls, str(e), Skip.BROKEN if isinstance(e, Broken) else Skip.NOT_NORM))
             continue
         except Exception as e:  # e.g. weights that cannot be cast or copied: leave the module alone
-            skipped.append(Skipped(name, cls, f"could not be probed ({type(e).__name__})"))
+            skipped.append(Skipped(name, cls, f"could not be probed ({type(e).__name__})", Skip.UNPROBED))
             continue
         if filter_fn is not None and not filter_fn(module, name):
-            skipped.append(Skipped(name, cls, "excluded by filter_fn"))
+            skipped.append(Skipped(name, cls, "excluded by filter_fn", Skip.FILTERED))
         else:
             sites.append(NormSite(name, module, found.gain, found.bias, found.eps))
     return sites, skipped, rms

@@ -29,11 +29,11 @@ def test_api_refuses_what_is_not_a_loaded_model(tmp_path):
 def test_dtype_names_and_torch_dtypes_are_accepted(tmp_path):
     model = tiny_model("gpt2")
     normswap.convert(model, method="naive")
-    normswap.save_pretrained(model, tmp_path / "m")
+    normswap.save(model, tmp_path / "m")
     for name, want in [("fp16", torch.float16), (torch.bfloat16, torch.bfloat16), ("torch.float32", torch.float32)]:
-        assert next(normswap.from_pretrained(tmp_path / "m", dtype=name).parameters()).dtype == want
+        assert next(normswap.load(tmp_path / "m", dtype=name)[0].parameters()).dtype == want
     with pytest.raises(NormswapError, match="unknown dtype 'fp8': choose float32"):
-        normswap.from_pretrained(tmp_path / "m", dtype="fp8")
+        normswap.load(tmp_path / "m", dtype="fp8")[0]
 
 
 @pytest.mark.parametrize("shape", [0, -3, True, 2.5, (4, 4), ()])
@@ -48,7 +48,7 @@ def test_norm_widths_are_checked_at_construction(shape):
 def test_bad_shard_sizes_are_refused_before_anything(tmp_path, size):
     model = tiny_model("gpt2")
     with pytest.raises(NormswapError, match="bad shard size"):
-        normswap.save_pretrained(model, tmp_path / "m", max_shard_size=size)
+        normswap.save(model, tmp_path / "m", max_shard_size=size)
     if not isinstance(size, bool):
         assert "--max-shard-size" in one_error_line(run("convert", "normswap-demo", "--to", "rmsnorm", "-o",
                                                         tmp_path / "m", "--max-shard-size", size))

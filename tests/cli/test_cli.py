@@ -33,7 +33,7 @@ def test_convert_local_folder(gpt2_dir, tmp_path):
     assert "transformer.ln_f" in result.output
     assert "parity vs original (" in result.output and "KL" in result.output
     assert f"worst of 5 outputs: logits, {CACHE}[4]): max |Δ|" in result.output
-    loaded = normswap.from_pretrained(out)
+    loaded = normswap.load(out)[0]
     assert len(loaded.config.normswap["norms"]) == 5
 
 
@@ -123,6 +123,7 @@ def test_corrupt_weights_one_line(tmp_path, gpt2_dir):
     assert len(result.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_real_process_prints_one_line_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "normswap", "convert", str(tmp_path / "missing"), "--to",
                            "rmsnorm", "-o", str(tmp_path / "out")], capture_output=True, text=True)
@@ -157,6 +158,7 @@ def test_version_imports_neither_torch_nor_transformers():
     assert proc.stdout.splitlines() == [f"normswap, version {normswap.__version__}", "[]"], proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly(gpt2_dir):
     """Issue 33 #15: `normswap inspect ... | head -3` printed `error: BrokenPipeError`; the reader left, so stop
     quietly (click's exit 1 for a closed pipe)."""

@@ -36,6 +36,7 @@ def test_bad_device_is_one_line(cmd, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_dtype_short_names(tmp_path):
     r = _run("convert", "normswap-demo", "--to", "rmsnorm", "--dtype", "bf16", "--device", "cpu", "-o",
              tmp_path / "o", "--json")
@@ -50,8 +51,8 @@ def test_fallback_warning_goes_to_stderr(tmp_path):
 
     import normswap
     torch.manual_seed(0)
-    normswap.save_pretrained(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                                  num_attention_heads=2, intermediate_size=32)), tmp_path / "b")
+    normswap.save(BertModel(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=32)), tmp_path / "b")
     r = _run("convert", tmp_path / "b", "--to", "rmsnorm", "-o", tmp_path / "o", "--json")
     assert r.exit_code == 0, r.output
     json.loads(r.stdout)  # stdout stays one JSON object
@@ -73,6 +74,7 @@ def test_library_warnings_shown_by_default_and_hidden_by_q():
     assert seen == []
 
 
+@pytest.mark.slow
 def test_progress_off_without_a_terminal(tmp_path):
     r = _run("convert", "normswap-demo", "--to", "rmsnorm", "-o", tmp_path / "o")
     assert r.exit_code == 0 and "\r" not in r.stderr  # CliRunner's stderr is not a TTY: no bars

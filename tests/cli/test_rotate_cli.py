@@ -20,8 +20,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("rotate")
     original = build("gpt2")
     original.save_pretrained(root / "src")
-    normswap.convert_checkpoint(str(root / "src"), root / "conv",
-                                normswap.ConvertOptions(method="exact"))
+    normswap.convert(str(root / "src"), root / "conv", normswap.ConvertOptions(method="exact"))
     return original, root / "src", root / "conv"
 
 
@@ -32,13 +31,13 @@ def test_rotated_folder_reloads_with_the_originals_outputs(folders, tmp_path):
     report = json.loads(result.output.strip().splitlines()[-1])["report"]
     assert report["seed"] == 7 and report["untied"] == ["lm_head.weight"]
     assert report["streams"][0]["q"] == "random orthogonal" and report["verification"]["max_rel"] < 1e-4
-    mine = normswap.from_pretrained(tmp_path / "r")
+    mine = normswap.load(tmp_path / "r")[0]
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "r", trust_remote_code=True).eval()
     for loaded in (mine, plain):
         assert compare(original, loaded, padded_batches()).max_rel < 1e-5
         assert loaded.lm_head.weight is not loaded.transformer.wte.weight   # untied on disk too
     # really rotated: the stored embedding is not the converted one
-    converted = normswap.from_pretrained(conv)
+    converted = normswap.load(conv)[0]
     assert not torch.allclose(converted.transformer.wte.weight, mine.transformer.wte.weight, atol=1e-3)
     assert json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]["rotations"][0]["seed"] == 7
 
@@ -79,9 +78,9 @@ def test_convert_rotate_writes_a_rotated_folder_with_the_originals_outputs(folde
     section = json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]
     assert section["rotations"] == [{"method": "random", "seed": 3, "widths": [32], "untied": ["lm_head.weight"],
                                      "unrotated": []}]
-    rotated = normswap.from_pretrained(tmp_path / "r")
+    rotated = normswap.load(tmp_path / "r")[0]
     assert compare(original, rotated, padded_batches()).max_rel < 1e-5
-    plain = normswap.from_pretrained(conv)   # the same conversion, not rotated: other weights
+    plain = normswap.load(conv)[0]   # the same conversion, not rotated: other weights
     assert not torch.allclose(plain.transformer.h[0].mlp.c_fc.weight, rotated.transformer.h[0].mlp.c_fc.weight,
                               atol=1e-3)
 

@@ -125,7 +125,7 @@ def big_activation_model():
 @pytest.mark.parametrize("target", TARGETS)
 def test_fp16_large_activations_stay_finite(tmp_path, target):
     model = big_activation_model()
-    report = normswap.export_onnx(model, tmp_path / "m.onnx", target=target, fp16=True)
+    report = normswap.export_onnx(model, tmp_path / "m.onnx", target=target, dtype="fp16")
     proto = onnx.load(str(tmp_path / "m.onnx"))
     weights = [i for i in proto.graph.initializer if len(i.dims) == 2]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)

@@ -19,6 +19,9 @@ from helpers.exact_models import perturb, wav2vec2_config  # noqa: E402
 
 import normswap  # noqa: E402
 
+pytestmark = pytest.mark.slow   # ONNX exports of vision and speech models
+
+
 D = 32
 VIT = dict(hidden_size=D, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
            patch_size=8)

@@ -24,6 +24,9 @@ from normswap.export import validate  # noqa: E402
 from normswap.export.report import ExportReport  # noqa: E402
 
 
+pytestmark = pytest.mark.slow   # ONNX exports, then int8 quantization measured
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(the model, its folder, the JSON report of `normswap export -o DIR --quantize int8`: with the past)."""
@@ -122,6 +125,6 @@ def test_bad_combinations_are_one_line(tmp_path):
                                                                "int4"), code=2)
     with pytest.raises(NormswapError, match="unknown quantization 'int4': choose int8"):
         normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int4")
-    with pytest.raises(NormswapError, match="leave out fp16=True"):
-        normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int8", fp16=True)
+    with pytest.raises(NormswapError, match="leave out dtype='fp16'"):
+        normswap.export_onnx(converted("gpt2"), tmp_path / "m.onnx", quantize="int8", dtype="fp16")
     assert list(tmp_path.iterdir()) == []

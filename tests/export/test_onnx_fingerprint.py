@@ -22,9 +22,9 @@ from onnx import numpy_helper  # noqa: E402
 import normswap  # noqa: E402
 from normswap.cli import main  # noqa: E402
 from normswap.export import onnx_fingerprint, validate  # noqa: E402
-from normswap.io import fingerprint  # noqa: E402
-from normswap.models import schema  # noqa: E402
-from normswap.models.schema import FingerprintFailed  # noqa: E402
+from normswap.folder import fingerprint  # noqa: E402
+from normswap.folder import schema  # noqa: E402
+from normswap.folder.schema import FingerprintFailed  # noqa: E402
 from normswap.pipeline.options import ExportOptions  # noqa: E402
 
 

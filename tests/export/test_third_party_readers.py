@@ -21,6 +21,9 @@ import onnxruntime as ort  # noqa: E402
 import normswap  # noqa: E402
 from normswap.models.demo import DEMO_DIR  # noqa: E402
 
+pytestmark = pytest.mark.slow   # ONNX exports read back by optimum and onnxruntime-genai
+
+
 PROMPTS = ["Emma was", "She said that the letter of her sister was not", "Anne"]
 
 

@@ -16,9 +16,12 @@ from helpers.heal_models import save_pair, text, tokenizer
 
 import normswap
 from normswap.models.rebuild import from_pretrained
-from normswap.io.checksum import raw_header
+from normswap.folder.checksum import raw_header
 
 from helpers.folders import same_fingerprint, split_config
+
+pytestmark = pytest.mark.slow   # each test launches processes (accelerate) that import torch and train
+
 
 ACCELERATE = shutil.which("accelerate", path=os.path.dirname(sys.executable))
 FSDP_CONFIG = Path(__file__).parents[2] / "examples" / "accelerate_fsdp.yaml"

@@ -102,6 +102,7 @@ runpy.run_module("normswap", run_name="__main__", alter_sys=True)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_cli_imports_is_one_line():
     root = str(Path(normswap.__file__).parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

@@ -20,7 +20,7 @@ from normswap.healing import plot_log
 from normswap.healing.options import HealOptions
 from normswap.healing.tracking import hold_out
 from normswap.models.rebuild import from_pretrained
-from normswap.textdata import token_stream
+from normswap.textdata import joined_ids
 
 FAST = dict(seq_len=32, batch_size=4, progress=False)
 TRAIN = [text(3000, seed=0)]
@@ -42,10 +42,9 @@ def test_held_out_windows_are_spread_and_never_trained_on():
 def test_held_out_value_is_the_kl_to_the_teacher(pair, tok):
     """The step-0 value is the mean per-position KL(teacher || student) over the held-out windows."""
     teacher, student = pair
-    options = HealOptions(eval_every=1, eval_windows=4, seq_len=32, batch_size=4)
-    report = normswap.heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, options=options, steps=1,
-                           progress=False)
-    _, held = hold_out(token_stream(tok, TRAIN), options, tok, 32)
+    options = HealOptions(eval_every=1, eval_windows=4, seq_len=32, batch_size=4, steps=1)
+    report = normswap.heal(copy.deepcopy(student), teacher, TRAIN, tokenizer=tok, options=options, progress=False)
+    _, held = hold_out(joined_ids(tok, TRAIN), options, tok, 32)
     with torch.no_grad():
         lt = teacher(input_ids=held).logits.double().log_softmax(-1)
         ls = student(input_ids=held).logits.double().log_softmax(-1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from normswap.io import fingerprint
+from normswap.folder import fingerprint
 
 
 def split_config(folder: Path) -> tuple[dict, dict]:

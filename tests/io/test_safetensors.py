@@ -13,7 +13,7 @@ import normswap
 from normswap.io import safetensors as shards
 from normswap.errors import NormswapError
 
-# A converted folder's weights: transformers' names for the "normswap" variant (`io.checksum`).
+# A converted folder's weights: transformers' names for the "normswap" variant (`folder.checksum`).
 NS_WEIGHTS, NS_INDEX = "model.normswap.safetensors", "model.safetensors.index.normswap.json"
 
 

@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 import normswap
-from normswap.io.shipped import original_class
-from normswap.models import schema
+from normswap.folder.shipped import original_class
+from normswap.folder import schema
 from normswap.cli import main
 from normswap.errors import NormswapError
 from normswap.io.safetensors import weights_names
@@ -246,6 +246,7 @@ def _cli(tmp_path, *args, stdin: str):
                           capture_output=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_remote_code_runs_only_with_the_flag(tmp_path):
     _custom_code_folder(tmp_path / "src", tmp_path / "marker", "x-custom")
     result = _cli(tmp_path, "inspect", tmp_path / "src", stdin="y\n")
@@ -257,6 +258,7 @@ def test_remote_code_runs_only_with_the_flag(tmp_path):
     assert (tmp_path / "marker").exists() and result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["x-custom", "gpt2"])   # gpt2: a type transformers also knows
 def test_folders_with_their_own_code_are_never_converted(tmp_path, model_type):
     """Issue 18.5: with the flag, the in-memory path wrote the folder's auto_map and no modeling file (plain

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap.io import portable
+from normswap.folder import portable
 from normswap.models.names import renamed_modules, saved_names
 
 from helpers.exact_models import build

@@ -14,7 +14,7 @@ import transformers as tf
 
 import normswap
 from normswap.errors import NormswapError
-from normswap.io.portable import InvalidConversion
+from normswap.folder.portable import InvalidConversion
 
 from helpers.exact_models import perturb
 
@@ -106,6 +106,7 @@ def test_the_original_weights_copied_over_a_resaved_folder_are_refused(tmp_path)
         tf.AutoModelForCausalLM.from_pretrained(tmp_path / "r", trust_remote_code=True)
 
 
+@pytest.mark.slow
 def test_trainer_checkpoints_and_a_pickled_model(demo, tmp_path):
     model, _, want = demo
     args = tf.TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True)

@@ -11,6 +11,8 @@ import pytest
 from helpers.plain import check_loads, convert_all
 from helpers.renamed_models import CASES, build
 
+pytestmark = pytest.mark.slow   # 73 families converted, saved twice, loaded in child processes
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):

@@ -41,7 +41,7 @@ def test_layout_is_safetensors_with_normswap_section(tmp_path):
     assert "model.normswap.safetensors" in files and "config.json" in files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert config["architectures"] == ["NormswapGPT2LMHeadModel"]  # the generated class (test_hub.py)
+    assert config["architectures"] == ["NormswapGPT2LMHeadModel"]  # the generated class (tests/folder/test_modeling.py)
     assert config["normswap"]["base"]["architecture"] == "GPT2LMHeadModel"
     assert set(config["normswap"]["norms"]) == {f"transformer.h.{i}.ln_{j}" for i in (0, 1) for j in (1, 2)} | {
         "transformer.ln_f"}

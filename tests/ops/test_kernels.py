@@ -340,6 +340,7 @@ print("compiled", n)
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     # The interpreter never runs Triton's compiler. Compile every kernel variant family to an sm_90 cubin
     # with the toolchain in the triton wheel (no GPU needed), in a subprocess: under TRITON_INTERPRET=1

@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from normswap.checkpoint.lazy import NotStreamable
+from normswap.checkpoint.lazy import InMemoryOnly
 from normswap.errors import NormswapError
 from normswap.models.load import LoadOptions
-from normswap.pipeline import ConvertOptions, convert_checkpoint, stream
+from normswap.pipeline import ConvertOptions, convert_checkpoint, lazy_convert
 
 from helpers.cli import one_error_line, run
 from helpers.exact_models import perturb
@@ -69,8 +69,8 @@ def test_inputs_only_a_trial_forward_settles_are_built_in_memory(tmp_path):
         text_config=dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, max_position_embeddings=64)))).eval()
     model.save_pretrained(tmp_path / "src")
-    with pytest.raises(NotStreamable, match="trial forward"):
-        stream.convert_folder(tmp_path / "src", tmp_path / "streamed")
+    with pytest.raises(InMemoryOnly, match="trial forward"):
+        lazy_convert.convert_folder(tmp_path / "src", tmp_path / "streamed")
     result = convert_checkpoint(str(tmp_path / "src"), tmp_path / "out", ConvertOptions(method="exact"))
     assert not result.streamed and any("trial forward" in n for n in result.notices)
     assert result.report.method == "exact" and result.parity.max_rel <= 1e-5

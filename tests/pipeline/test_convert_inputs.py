@@ -28,14 +28,14 @@ def test_examples_are_run_and_leave_the_weights_as_without(tmp_path, src, stream
     make the conversion fail, which shows they ran, in the streamed path and in memory."""
     # (allowing missing weights keeps the model in memory)
     o = normswap.ConvertOptions(method="exact", load=normswap.LoadOptions(allow_missing_weights=not streamed))
-    plain = normswap.convert_checkpoint(src, tmp_path / "plain", o)
+    plain = normswap.convert(src, tmp_path / "plain", o)
     good = [torch.randint(0, 101, (2, 9)), {"input_ids": torch.randint(0, 101, (1, 3))}]
-    with_examples = normswap.convert_checkpoint(src, tmp_path / "ex", replace(o, example_inputs=good))
+    with_examples = normswap.convert(src, tmp_path / "ex", replace(o, example_inputs=good))
     assert plain.streamed is with_examples.streamed is streamed
     weights = "model.normswap.safetensors"
     assert snapshot(tmp_path / "plain")[weights] == snapshot(tmp_path / "ex")[weights]
     with pytest.raises(NormswapError, match="IndexError|index out of range"):
-        normswap.convert_checkpoint(src, tmp_path / "bad", replace(o, example_inputs=torch.full((1, 4), 5000)))
+        normswap.convert(src, tmp_path / "bad", replace(o, example_inputs=torch.full((1, 4), 5000)))
     assert not (tmp_path / "bad").exists()
 
 
@@ -60,7 +60,7 @@ def test_a_batch_of_the_users_that_fails_is_called_theirs(tmp_path, src, streame
     far = [torch.randint(0, 101, (2, 5)), {"input_ids": torch.full((1, 4), 5000)}]
     o = normswap.ConvertOptions(example_inputs=far, load=normswap.LoadOptions(allow_missing_weights=not streamed))
     with pytest.raises(NormswapError) as e:
-        normswap.convert_checkpoint(src, tmp_path / "o", o)
+        normswap.convert(src, tmp_path / "o", o)
     assert str(e.value).startswith("GPT2LMHeadModel fails on your example_inputs batch 1 (IndexError: ")
     assert not (tmp_path / "o").exists()
     torch.save({"input_ids": torch.full((1, 3), 999)}, tmp_path / "far.pt")

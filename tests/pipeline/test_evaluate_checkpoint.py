@@ -20,10 +20,10 @@ def saved(tmp_path_factory):
     model = gpt2(len(tok))
     other = copy.deepcopy(model)
     perturb_norms(other, seed=5)
-    normswap.save_pretrained(model, d / "a", tokenizer=tok)
-    normswap.save_pretrained(other, d / "b", tokenizer=tok)
+    normswap.save(model, d / "a", tokenizer=tok)
+    normswap.save(other, d / "b", tokenizer=tok)
     small = tokenizer(vocab=120)
-    normswap.save_pretrained(gpt2(len(small)), d / "c", tokenizer=small)
+    normswap.save(gpt2(len(small)), d / "c", tokenizer=small)
     (d / "text.txt").write_text(text(400))
     return d, model, other, tok
 

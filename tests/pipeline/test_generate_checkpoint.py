@@ -27,7 +27,7 @@ def converted(tmp_path_factory):
     model = gpt2(len(tok))
     normswap.convert(model, method="naive")
     out = tmp_path_factory.mktemp("gen") / "conv"
-    normswap.save_pretrained(model, out, tokenizer=tok)
+    normswap.save(model, out, tokenizer=tok)
     return out, tok
 
 
@@ -55,7 +55,7 @@ def test_sampling_repeats_with_its_seed(converted):
 
 def test_an_encoder_and_an_empty_prompt_are_one_line_errors(tmp_path, converted):
     tok = tokenizer(bert=True)
-    normswap.save_pretrained(copy.deepcopy(bert(len(tok))), tmp_path / "bert", tokenizer=tok)
+    normswap.save(copy.deepcopy(bert(len(tok))), tmp_path / "bert", tokenizer=tok)
     result = run("generate", tmp_path / "bert", "hello", "--allow-missing-weights")
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == \
         f"error: generate needs a causal LM; {tmp_path / 'bert'} is a BertModel"   # after the weights' warning

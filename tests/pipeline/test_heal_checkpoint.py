@@ -30,7 +30,7 @@ def test_heals_and_saves_out_with_its_log(saved, tmp_path):
     assert report.saved_to == str(tmp_path / "out")
     log = json.loads((tmp_path / "out" / "heal_log.json").read_text())
     assert log["steps_done"] == 2 and log["loss_first"] == pytest.approx(report.loss_first)
-    assert normswap.from_pretrained(tmp_path / "out").config.normswap_heal["steps_done"] == 2
+    assert normswap.load(tmp_path / "out")[0].config.normswap_heal["steps_done"] == 2
 
 
 def test_objective_lm_needs_no_teacher(saved, tmp_path):

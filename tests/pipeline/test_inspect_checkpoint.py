@@ -12,7 +12,7 @@ from normswap.surgery.walk import find_norms
 
 def test_inspect_lists_every_norm_with_its_fate(gpt2_dir):
     result = inspect_checkpoint(str(gpt2_dir))
-    model, _ = normswap.load_model(str(gpt2_dir))
+    model, _ = normswap.load(str(gpt2_dir))
     sites, skipped, rms = find_norms(model)
     assert result.model == "GPT2LMHeadModel"
     assert (result.to_convert, result.rms, result.skipped) == (len(sites), 0, 0) and len(sites) == 5
@@ -25,7 +25,7 @@ def test_inspect_lists_every_norm_with_its_fate(gpt2_dir):
 
 
 def test_inspect_of_a_converted_folder_finds_rmsnorms_only(gpt2_dir, tmp_path):
-    normswap.convert_checkpoint(str(gpt2_dir), tmp_path / "conv")
+    normswap.convert(str(gpt2_dir), tmp_path / "conv")
     result = inspect_checkpoint(str(tmp_path / "conv"), InspectOptions(load=normswap.LoadOptions(dtype="fp16")))
     assert (result.to_convert, result.rms) == (0, 5)
     assert {r["action"] for r in result.norms} == {"already RMSNorm: kept"}

@@ -1,5 +1,5 @@
 """One loader (issue 18.5): streaming and in-memory conversion read a folder the same way. Each awkward folder
-below is converted by both paths of `convert_checkpoint` (and by `stream.convert_folder` alone): the outputs
+below is converted by both paths of `convert_checkpoint` (and by `lazy_convert.convert_folder` alone): the outputs
 must be the same bytes, file for file, or all three must refuse with the same message."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import transformers as tf
 
 import normswap
 from normswap.pipeline import convert as pipeline
-from normswap.pipeline import stream
+from normswap.pipeline import lazy_convert
 from normswap.io.safetensors import INDEX, WEIGHTS
 from normswap.errors import NormswapError
 from normswap.models.source import auto_class
@@ -173,7 +173,7 @@ def run(src: Path, out: Path, streaming: bool, monkeypatch):
     """`convert_checkpoint` (streaming when it can, or forced in memory): the result, or the refusal."""
     with monkeypatch.context() as m:
         if not streaming:
-            m.setattr(pipeline, "streamable", lambda src: False)
+            m.setattr(pipeline, "lazily_convertible", lambda src: False)
         try:
             return pipeline.convert_checkpoint(str(src), out, normswap.ConvertOptions(method="auto"))
         except NormswapError as e:
@@ -188,7 +188,7 @@ def test_streaming_and_in_memory_read_a_folder_the_same_way(name, tmp_path, monk
     streamed = run(src, tmp_path / "streamed", True, monkeypatch)
     in_memory = run(src, tmp_path / "in-memory", False, monkeypatch)
     try:
-        direct = stream.convert_folder(src, tmp_path / "direct")
+        direct = lazy_convert.convert_folder(src, tmp_path / "direct")
     except NormswapError as e:
         direct = str(e)
     if expected != "converts":
@@ -201,7 +201,7 @@ def test_streaming_and_in_memory_read_a_folder_the_same_way(name, tmp_path, monk
     same_files(tmp_path / "streamed", tmp_path / "in-memory")   # the fingerprint's digest within its tolerance
     same_files(tmp_path / "direct", tmp_path / "in-memory")
     # What both read is what transformers loads with dtype="auto": the same tensors, in the same dtype ...
-    ours = normswap.load_model(str(src))[0]
+    ours = normswap.load(str(src))[0]
     theirs = auto_class(tf.AutoConfig.from_pretrained(src)).from_pretrained(src, dtype="auto")
     mine, want = ours.state_dict(), theirs.state_dict()
     assert mine.keys() == want.keys()
@@ -209,5 +209,5 @@ def test_streaming_and_in_memory_read_a_folder_the_same_way(name, tmp_path, monk
     # ... and an exact conversion of it is that model.
     if streamed.report.method == "exact":
         tolerance = exact.TOLERANCE[next(theirs.parameters()).dtype]
-        parity = compare(theirs.float(), normswap.from_pretrained(tmp_path / "streamed").float())
+        parity = compare(theirs.float(), normswap.load(tmp_path / "streamed")[0].float())
         assert parity.max_rel <= tolerance

@@ -19,15 +19,15 @@ def test_options_are_frozen_and_bad_ones_fail_before_any_work(tmp_path):
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.seed = 4
     with pytest.raises(NormswapError, match="unknown rotation method 'givens'"):
-        normswap.rotate_checkpoint("normswap-demo", tmp_path / "o", normswap.RotateOptions(method="givens"))
+        normswap.rotate("normswap-demo", tmp_path / "o", normswap.RotateOptions(method="givens"))
     with pytest.raises(NormswapError, match="shard"):
-        normswap.rotate_checkpoint("normswap-demo", tmp_path / "o", normswap.RotateOptions(max_shard_size="lots"))
+        normswap.rotate("normswap-demo", tmp_path / "o", normswap.RotateOptions(max_shard_size="lots"))
     assert not (tmp_path / "o").exists()
 
 
 def test_the_demo_itself_is_refused_until_converted(tmp_path):
     with pytest.raises(NormswapError, match=r"transformer\.h\.0\.ln_1 \(LayerNorm\) is a LayerNorm: convert"):
-        normswap.rotate_checkpoint("normswap-demo", tmp_path / "o")
+        normswap.rotate("normswap-demo", tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
@@ -41,8 +41,8 @@ def test_a_rotated_folder_with_a_matrix_fix_reloads_in_normswap_and_plain_transf
     original = build(name)
     model = copy.deepcopy(original)
     normswap.convert(model, method="exact")
-    normswap.save_pretrained(model, tmp_path / "c")
-    result = normswap.rotate_checkpoint(str(tmp_path / "c"), tmp_path / "r", normswap.RotateOptions(seed=2))
+    normswap.save(model, tmp_path / "c")
+    result = normswap.rotate(str(tmp_path / "c"), tmp_path / "r", normswap.RotateOptions(seed=2))
     assert norm in result.report.unrotated
     if name == "mbart":   # the head untied: the flag that tied it tied these too (loading would leave them missing)
         assert result.report.untied == ["lm_head.weight", "model.encoder.embed_tokens.weight",
@@ -51,7 +51,7 @@ def test_a_rotated_folder_with_a_matrix_fix_reloads_in_normswap_and_plain_transf
     assert section["format"] == 4 and section["output_fixes"][norm]["matrix"] == 32
     plain, info = getattr(tf, auto).from_pretrained(tmp_path / "r", trust_remote_code=True, output_loading_info=True)
     assert not info["missing_keys"] and type(plain).__name__.startswith("Normswap")
-    for loaded in (normswap.from_pretrained(tmp_path / "r"), plain.eval()):
+    for loaded in (normswap.load(tmp_path / "r")[0], plain.eval()):
         assert bool((loaded.get_submodule(norm).normswap_matrix != 0).any())
         assert compare(original, loaded, padded_batches()).max_rel < 1e-5, type(loaded).__name__
 
@@ -67,14 +67,14 @@ def test_a_rotated_whisper_reloads_with_its_entry_rotated_in_the_input_fix(tmp_p
     original = perturb(tf.WhisperForConditionalGeneration(config)).eval()
     model = copy.deepcopy(original)
     normswap.convert(model, method="exact")
-    normswap.save_pretrained(model, tmp_path / "c")
-    report = normswap.rotate_checkpoint(str(tmp_path / "c"), tmp_path / "r").report
+    normswap.save(model, tmp_path / "c")
+    report = normswap.rotate(str(tmp_path / "c"), tmp_path / "r").report
     assert sorted(report.unrotated) == ["model.encoder.layer_norm", "model.encoder.layers.0"]
     fixes = json.loads((tmp_path / "r" / "config.json").read_text())["normswap"]["output_fixes"]
     assert fixes["model.encoder.layers.0"] == {"bias": 0, "centre": False, "input": True, "input_matrix": 32}
     x = {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": torch.randint(0, 60, (2, 5))}
     plain = tf.AutoModelForSpeechSeq2Seq.from_pretrained(tmp_path / "r", trust_remote_code=True).eval()
-    for loaded in (normswap.from_pretrained(tmp_path / "r"), plain):
+    for loaded in (normswap.load(tmp_path / "r")[0], plain):
         with torch.no_grad():
             want, got = original(**x).logits, loaded(**x).logits
         assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5, type(loaded).__name__

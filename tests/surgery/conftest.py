@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from normswap import parity
+from normswap.parity import reference
 from normswap.surgery import exact, verification
+from normswap.surgery.steps import Centre, Module
 
 
 @pytest.fixture
@@ -12,7 +13,7 @@ def feed(monkeypatch):
     `model_inputs` (the model's samples and the user's examples)."""
     def use(inputs):
         listed = inputs if isinstance(inputs, list) else [inputs]
-        for mod in (parity, exact, verification):
+        for mod in (reference, exact, verification):
             monkeypatch.setattr(mod, "model_inputs", lambda model, *a, **k: listed)
         return listed
     return use
@@ -25,6 +26,7 @@ def forgetful(monkeypatch):
 
     def plan(model, sites, inputs=None, examples=None):
         p = real(model, sites, inputs, examples)
-        p.steps = [s for s in p.steps if s.target != "transformer.h.0.mlp.c_proj"]
+        forgotten = Module("transformer.h.0.mlp.c_proj")
+        p.steps = [s for s in p.steps if not (isinstance(s, Centre) and s.target == forgotten)]
         return p
     monkeypatch.setattr(exact, "plan", plan)

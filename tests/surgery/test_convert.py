@@ -12,6 +12,7 @@ from normswap import PartialRMSNorm, RMSNorm
 from normswap.errors import FellBackToNaive, NormswapError
 from normswap.models.inputs import sample_inputs
 from normswap.parity import compare
+from normswap.surgery.walk import Skip
 
 from helpers.restore_models import Encoder, built
 from helpers.tiny import count_layernorms, tiny_model
@@ -108,9 +109,8 @@ def test_filter_fn_limits_conversion():
     model = tiny_model("gpt2")
     report = normswap.convert(model, method="naive", to="rmsnorm", filter_fn=lambda m, name: name.endswith("ln_1"))
     assert [r.name for r in report.converted] == ["transformer.h.0.ln_1", "transformer.h.1.ln_1"]
-    assert {s["name"] for s in report.skipped} == {"transformer.h.0.ln_2", "transformer.h.1.ln_2",
-                                                   "transformer.ln_f"}
-    assert all(s["reason"] == "excluded by filter_fn" for s in report.skipped)
+    assert {s.name for s in report.skipped} == {"transformer.h.0.ln_2", "transformer.h.1.ln_2", "transformer.ln_f"}
+    assert all(s.cause is Skip.FILTERED for s in report.skipped)
     assert count_layernorms(model) == 3
 
 
@@ -118,7 +118,8 @@ def test_multidim_layernorm_is_skipped_with_reason():
     model = nn.Sequential(nn.Linear(4, 12), nn.Unflatten(1, (3, 4)), nn.LayerNorm((3, 4)), nn.LayerNorm(4))
     report = normswap.convert(model, method="naive", to="rmsnorm")
     assert [r.name for r in report.converted] == ["3"]
-    assert report.skipped[0]["name"] == "2" and "(3, 4)" in report.skipped[0]["reason"]
+    first = report.skipped[0]
+    assert first.name == "2" and first.cause is Skip.SHAPE and "(3, 4)" in first.reason
     assert isinstance(model[2], nn.LayerNorm)
 
 

@@ -4,6 +4,7 @@ import torch
 
 import normswap
 from normswap.errors import NormswapError
+from normswap.surgery.labels import Cause, NotExact
 from helpers.user_models import gpt
 
 
@@ -39,8 +40,9 @@ def test_examples_make_a_hand_written_gpt_exact_on_other_shapes():
 
 def test_examples_drive_the_trace_a_path_they_never_take_is_refused_by_name():
     """`prefix` writes the stream only when passed: examples without it cannot show it centred."""
-    with pytest.raises(NormswapError, match=r"prefix \(Linear\) did not run on the sample inputs"):
+    with pytest.raises(NotExact, match=r"prefix \(Linear\) did not run") as e:   # named
         normswap.convert(gpt(), method="exact", example_inputs=torch.randint(0, 61, (2, 16)))
+    assert e.value.cause is Cause.UNRUN
     m = gpt()
     x, pre = torch.randint(0, 61, (3, 11)), torch.randn(3, 8)
     with torch.no_grad():

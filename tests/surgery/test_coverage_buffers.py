@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import normswap
-from normswap.errors import NormswapError
+from normswap.surgery.labels import Cause, NotExact
 from normswap.models.inputs import sample_inputs
 
 V, D, POSITIONS = 40, 16, 64
@@ -121,8 +121,9 @@ def test_a_writer_no_sample_runs_is_refused_by_name(kind, name):
     """Added only from 100 tokens on, past every sample row: refused, naming it, the model untouched."""
     model = LongRows(kind, at=100).eval()
     x, ref = _before(model, 40)
-    with pytest.raises(NormswapError, match=rf"^cannot convert exactly: {name} did not run on the sample inputs"):
+    with pytest.raises(NotExact, match=rf"^cannot convert exactly: {name} did not run") as e:   # the name: the point
         normswap.convert(model, method="exact")
+    assert e.value.cause is Cause.UNRUN
     assert isinstance(model.ln_f, nn.LayerNorm)
     with torch.no_grad():
         assert torch.equal(model(x), ref)
@@ -133,8 +134,9 @@ def test_a_buffer_the_model_rebuilds_is_never_edited():
     some sample rows only (20 tokens on), the stream is refused naming it; on every row, the stream it enters
     a block in is centred there instead (an input fix), and the buffer is left as it is."""
     model = LongRows("transient", at=20).eval()
-    with pytest.raises(NormswapError, match=r"the buffer extra \(not persistent: the model rebuilds it"):
+    with pytest.raises(NotExact, match=r"the buffer extra \(not persistent") as e:   # what mixes it in, named
         normswap.convert(model, method="exact")
+    assert e.value.cause is Cause.MIXED
     assert isinstance(model.ln_f, nn.LayerNorm)
     model = LongRows("transient", at=0).eval()
     extra = model.extra.clone()

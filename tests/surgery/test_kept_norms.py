@@ -10,9 +10,9 @@ import transformers as tf
 from helpers.exact_models import perturb
 
 import normswap
-from normswap.pipeline import stream
-from normswap.errors import NormswapError
+from normswap.pipeline import lazy_convert
 from normswap.parity import compare
+from normswap.surgery.labels import Cause, NotExact
 
 KEPT = "lm_head.layer_norm"   # reads gelu(dense(...)): no weight edit centres its input
 
@@ -35,7 +35,8 @@ def test_an_lm_head_norm_stays_and_the_rest_is_exact(method):
     reference = copy.deepcopy(model)
     report = normswap.convert(model, method=method)
     assert report.method == "exact" and report.num_converted == 6
-    assert [s["name"] for s in report.skipped] == [KEPT] and "gelu" in report.skipped[0]["reason"]
+    assert [s.name for s in report.skipped] == [KEPT] and report.skipped[0].refusal.cause is Cause.OPAQUE
+    assert "gelu" in report.skipped[0].reason   # the operation named
     assert isinstance(model.get_submodule(KEPT), torch.nn.LayerNorm)
     assert not any(isinstance(m, torch.nn.LayerNorm) for n, m in model.named_modules() if n != KEPT)
     assert compare(reference, model, _inputs()).max_rel <= 1e-5
@@ -47,8 +48,8 @@ def test_an_lm_head_norm_stays_and_the_rest_is_exact(method):
 def test_streaming_keeps_the_same_norm_and_writes_the_same_model(tmp_path):
     model = _roberta_preln()
     model.save_pretrained(tmp_path / "src")
-    report, parity = stream.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
-    assert report.method == "exact" and [s["name"] for s in report.skipped] == [KEPT]
+    report, parity = lazy_convert.convert_folder(tmp_path / "src", tmp_path / "out", method="exact")
+    assert report.method == "exact" and [s.name for s in report.skipped] == [KEPT]
     loaded = normswap.from_pretrained(tmp_path / "out")
     assert isinstance(loaded.get_submodule(KEPT), torch.nn.LayerNorm)
     assert compare(model, loaded, _inputs()).max_rel <= 1e-5
@@ -61,8 +62,9 @@ def test_post_ln_keeps_nothing_back():
     torch.manual_seed(0)
     bert = perturb(tf.BertModel(tf.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                               num_attention_heads=4, intermediate_size=64))).eval()
-    with pytest.raises(NormswapError, match="post-LN"):
+    with pytest.raises(NotExact) as e:
         normswap.convert(bert, method="exact")
+    assert e.value.cause is Cause.POST_LN
 
 
 def _swin():
@@ -82,7 +84,7 @@ def test_swin_keeps_the_stages_patch_merging_reads_and_the_last_is_exact(method)
     report = normswap.convert(model, method=method)
     last = [f"swin.encoder.layers.2.blocks.{b}.layernorm_{w}" for b in (0, 1) for w in ("before", "after")]
     assert report.method == "exact" and sorted(r.name for r in report.converted) == sorted(last + ["swin.layernorm"])
-    reasons = {s["name"]: s["reason"] for s in report.skipped}
+    reasons = {s.name: s.reason for s in report.skipped}
     assert "a concatenation along the hidden dim" in reasons["swin.encoder.layers.0.downsample.norm"]
     assert "whose input is not a plain sum" in reasons["swin.encoder.layers.1.blocks.0.layernorm_before"]
     assert "swin.encoder.layers.1.downsample.norm" in reasons["swin.encoder.layers.1.blocks.0.layernorm_before"]

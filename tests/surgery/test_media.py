@@ -13,6 +13,7 @@ from helpers.exact_models import perturb
 import normswap
 from normswap.models.inputs import sample_inputs
 from normswap.parity import compare
+from normswap.surgery.walk import Skip
 
 TEXT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
             intermediate_size=64, max_position_embeddings=128)
@@ -53,7 +54,7 @@ def test_media_decoders_and_grid_towers_convert_exactly(make):
     reference = copy.deepcopy(model)
     report = normswap.convert(model, method="exact")
     assert report.method == "exact" and report.num_converted >= 4
-    assert not [s for s in report.skipped if s["cls"] == "LayerNorm"]   # Parakeet's BatchNorms are not ours
+    assert not [s for s in report.skipped if s.cls == "LayerNorm"]   # Parakeet's BatchNorms are not ours
     assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
     unseen = sample_inputs(reference, batch=3, seed=7)   # other values, another batch
     kept = report.unverified   # the towers' own streams, returned centred (Qwen2-VL's image_outputs), as said
@@ -75,7 +76,7 @@ def test_images_placed_by_a_position_mask_convert_exactly():
                            image_size=16, patch_size=8)))).eval()
     reference = copy.deepcopy(model)
     report = normswap.convert(model, method="exact")
-    kept = {s["name"] for s in report.skipped if s["reason"].startswith("kept as it is")}
+    kept = {s.name for s in report.skipped if s.cause is Skip.KEPT}
     assert report.method == "exact" and report.num_converted >= 8
     assert kept and all(n.endswith(("inner_attn_ln", "ffn_layernorm")) for n in kept)
     assert any(r.name.startswith("vision_model.") for r in report.converted)

@@ -1,4 +1,4 @@
-"""Norms found by behaviour (probe.py, walk.py): custom LayerNorm classes, effective gain, eps, skips."""
+"""Norms found by behaviour (probe/, walk.py): custom LayerNorm classes, effective gain, eps, skips."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +17,10 @@ from normswap.models.inputs import sample_inputs
 from normswap.errors import NormswapError
 from normswap.norms import RMSNorm
 from normswap.surgery import find_norms
+from normswap.surgery.probe import NotLayerNorm
+from normswap.surgery.probe.confirm import confirm
+from normswap.surgery.probe.estimate import estimate
+from normswap.surgery.probe.snap import snap
 
 D = 16
 
@@ -162,6 +166,27 @@ def test_probe_keeps_dtype_and_device():
     model = nn.Sequential(ln)
     normswap.convert(model, method="naive")
     assert model[0].weight.dtype == torch.bfloat16 and torch.equal(model[0].weight, w)
+
+
+def test_the_three_steps_estimate_snap_confirm():
+    """estimate: close to the module's values, not its bits; snap: its bits; confirm: passes them, refuses a
+    gain that is off and an RMSNorm."""
+    ln = _perturbed(nn.LayerNorm(D, eps=1e-5))
+    g = torch.Generator().manual_seed(0)
+    est = estimate(ln, D, g)
+    w, b = ln.weight.double(), ln.bias.double()
+    assert est.dtype == torch.float64 and 0 < est.tol < 1e-3
+    assert (est.gain - w).abs().max() <= est.tol and (est.bias - b).abs().max() <= est.tol
+    assert est.eps == pytest.approx(1e-5, rel=1e-2)
+    gain, bias, eps = snap(ln, est)
+    assert torch.equal(gain, w) and torch.equal(bias, b) and eps == 1e-5
+    confirm(est, gain, bias, eps, g)
+    with pytest.raises(NotLayerNorm):
+        confirm(est, gain * 1.01, bias, eps, g)
+    rms = FakeLayerNorm(D)
+    est = estimate(rms, D, g)
+    with pytest.raises(NotLayerNorm, match="RMSNorm"):
+        confirm(est, *snap(rms, est), g)
 
 
 TINY = dict(vocab_size=61, hidden_size=D, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -13,6 +13,7 @@ from transformers.modeling_outputs import CausalLMOutput
 import normswap
 from normswap.errors import NormswapError
 from normswap.parity import compare
+from normswap.surgery.walk import Skip
 from helpers.exact_models import perturb
 
 V, D, H = 50, 16, 4
@@ -63,10 +64,10 @@ def _refused(model: nn.Module, feed, traced: list[dict], *names: str) -> str:
         msg = str(e)
         assert all(torch.equal(a, b) for a, b in zip(reference.state_dict().values(), model.state_dict().values()))
     else:
-        kept = [s for s in report.skipped if s["reason"].startswith("kept as it is")]
-        assert kept and all(isinstance(model.get_submodule(s["name"]), nn.LayerNorm) for s in kept), report.skipped
+        kept = [s for s in report.skipped if s.cause is Skip.KEPT]
+        assert kept and all(isinstance(model.get_submodule(s.name), nn.LayerNorm) for s in kept), report.skipped
         assert compare(reference, model, traced).max_rel <= 1e-5   # what is converted is exact
-        msg = "; ".join(f"{s['name']}: {s['reason']}" for s in kept)
+        msg = "; ".join(f"{s.name}: {s.reason}" for s in kept)
     assert "\n" not in msg and all(n in msg for n in names), msg
     return msg
 
@@ -86,8 +87,9 @@ class ParamScale(Toy):
 
 
 def test_parameter_scale_is_folded(feed):
-    report = _exact(ParamScale(False), feed, [ids()], [ids(3, 5)])
-    assert "fc" in [s for s in report.added_biases] or report.verification["max_rel"] <= 1e-5
+    model = ParamScale(False)
+    _exact(model, feed, [ids()], [ids(3, 5)])
+    assert torch.equal(model.lambda_1, torch.ones(D))   # folded into fc (exact, checked by `_exact`), then set to 1
 
 
 def test_parameter_scale_of_a_sum_is_refused(feed):

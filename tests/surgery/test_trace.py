@@ -9,9 +9,10 @@ import transformers as tf
 from torch import nn
 
 import normswap
-from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery import exact, find_norms
+from normswap.surgery.labels import BiasPlan, Cause, NotExact
+from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale
 from helpers.exact_models import perturb, wav2vec2_config
 
 V, D = 101, 32
@@ -107,25 +108,27 @@ def test_plan_names_sources_readers_and_bias_fate():
                           "param:embeddings.position_embeddings"]
     assert sorted(ln.readers) == [f"layers.0.attention.{x}_proj" for x in "kqv"]
     final = p.norms["layernorm"]   # read by the pooler and the output: its bias stays after it
-    assert final.bias == "after" and final.readers == ["pooler.dense"]
+    assert final.bias is BiasPlan.AFTER and final.readers == ["pooler.dense"]
     assert {"layer:layers.1.mlp.fc2", "layer:layers.1.attention.o_proj"} < set(final.sources)
-    assert {s.op for s in p.steps} == {"centre", "fold", "fix"} and all(isinstance(s.target, str) for s in p.steps)
+    assert {type(s) for s in p.steps} == {Centre, Fold, Fix}
+    assert all(isinstance(s.target, (Module, Param)) for s in p.steps if isinstance(s, Centre))
+    assert Centre(Param("embeddings.cls_token"), D) in p.steps   # a parameter named as one, not by a prefix
 
 
 def test_qk_norms_centred_per_head():
     model, inputs = _build("phi-qk_layernorm")
     p = exact.plan(model, find_norms(model)[0], inputs)
     q = p.norms["model.layers.0.self_attn.q_layernorm"]
-    assert q.sources == ["layer:model.layers.0.self_attn.q_proj"] and q.bias == "after" and q.width == D // 4
-    assert any(s.op == "centre" and s.target.endswith("q_proj") and s.group == D // 4 for s in p.steps)
+    assert q.sources == ["layer:model.layers.0.self_attn.q_proj"] and q.bias is BiasPlan.AFTER and q.width == D // 4
+    assert Centre(Module("model.layers.0.self_attn.q_proj"), D // 4) in p.steps
 
 
 def test_layerscale_folded_then_centred():
     model, inputs = _build("dinov2")
     p = exact.plan(model, find_norms(model)[0], inputs)
     assert "layer:encoder.layer.0.layer_scale1" in p.norms["encoder.layer.0.norm2"].sources
-    i = p.steps.index(exact.Step("scale", "encoder.layer.0.layer_scale1", norm="encoder.layer.0.attention.o_proj"))
-    assert p.steps[i + 1] == exact.Step("centre", "encoder.layer.0.attention.o_proj", group=D)
+    i = p.steps.index(Scale(Module("encoder.layer.0.layer_scale1"), into="encoder.layer.0.attention.o_proj"))
+    assert p.steps[i + 1] == Centre(Module("encoder.layer.0.attention.o_proj"), group=D)
 
 
 def test_encoder_decoder_plan():
@@ -137,7 +140,7 @@ def test_encoder_decoder_plan():
     assert p.norms["model.encoder.layers.0.self_attn_layer_norm"].sources == ["entry:model.encoder.layers.0"]
     final = p.norms["model.encoder.layer_norm"]
     assert sorted(final.readers) == [f"model.decoder.layers.{i}.encoder_attn.{x}_proj" for i in (0, 1) for x in "kv"]
-    assert final.bias == "after"   # also returned as encoder_last_hidden_state: kept as it was
+    assert final.bias is BiasPlan.AFTER   # also returned as encoder_last_hidden_state: kept as it was
 
 
 def _bert():
@@ -145,21 +148,23 @@ def _bert():
     return perturb(tf.BertModel(cfg)).eval()
 
 
-@pytest.mark.parametrize("make, reason", [
-    (_bert, "embeddings.LayerNorm is post-LN"),
+@pytest.mark.parametrize("make, cause, named", [
+    (_bert, Cause.POST_LN, "embeddings.LayerNorm"),
     (lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=D, ffn_dim=64, num_hidden_layers=2,
-                                            num_attention_heads=4, do_layer_norm_before=False)), "is post-LN"),
+                                            num_attention_heads=4, do_layer_norm_before=False)), Cause.POST_LN, ""),
     (lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=D, n_layer=2, n_head=4,
                                                 apply_residual_connection_post_layernorm=True)),
-     "h.0.input_layernorm is post-LN"),
-    (lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**VISION)), "model output is the unnormalised residual stream"),
-    (lambda: tf.Wav2Vec2ForCTC(wav2vec2_config(do_stable_layer_norm=False)), "wav2vec2.encoder.layer_norm is post-LN"),
+     Cause.POST_LN, "h.0.input_layernorm"),
+    (lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**VISION)), Cause.STREAM, ""),   # the model output reads it
+    (lambda: tf.Wav2Vec2ForCTC(wav2vec2_config(do_stable_layer_norm=False)), Cause.POST_LN,
+     "wav2vec2.encoder.layer_norm"),
 ])
-def test_refused_from_the_graph_with_the_norm_named(make, reason):
+def test_refused_from_the_graph_with_the_norm_named(make, cause, named):
     model = perturb(make()).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(NormswapError, match=reason):
+    with pytest.raises(NotExact) as e:
         normswap.convert(model, method="exact")
+    assert e.value.cause is cause and e.value.refusal.modules[0].endswith(named)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # untouched
 
 

@@ -168,7 +168,7 @@ def one(ctx: Ctx, mains: list[str], b: int, s: int, first: bool) -> dict:
 
 def grid_shape(ctx: Ctx, batches: list[dict], name: str) -> list[dict]:
     """The batches with their patches in the first shape the tower runs on (see `vision.patch_shapes`), tried
-    with the weights, or on the meta device when streaming; as built where none runs (its error says why)."""
+    with the weights, or on the meta device when converting lazily; as built where none runs (its error says why)."""
     options = [vision.patch_shapes(ctx, x[name]) for x in batches]
     for k in range(len(options[0])):
         shaped = [{**x, name: shapes[k]} for x, shapes in zip(batches, options)]
@@ -203,7 +203,7 @@ def other_layout(ctx: Ctx, x: dict) -> dict:
 
 def first_that_runs(ctx: Ctx, x: dict, others: list[dict]) -> dict:
     """x if the model runs on it (or on none of `others`), else the first of `others` it runs on: with its
-    weights, or on a meta skeleton when streaming. No forward where there is nothing else to try."""
+    weights, or on a meta skeleton when converting lazily. No forward where there is nothing else to try."""
     if not others or not run_either(ctx, x):
         return x
     return next((y for y in others if not run_either(ctx, y)), x)
@@ -224,7 +224,7 @@ def cross_attends(ctx: Ctx) -> str | None:
     decoder and GPT-2 with cross-attention (`encoder_hidden_states`), Whisper's decoder as a causal LM
     (`encoder_outputs`); the first batch passes some, so its cross-attention norms run. Where the config
     does not say so, a model with weights here is tried (`without_rejected` drops them if it refuses them),
-    one without (streaming) on the meta device."""
+    one without (a lazy conversion) on the meta device."""
     if "input_ids" not in ctx.params or ctx.has("decoder_input_ids"):   # not a decoder alone
         return None
     if ctx.has("encoder_hidden_states") and not encoder_decoder(ctx):

@@ -48,7 +48,7 @@ class Ctx:
     def __post_init__(self):
         self.config = self.model.config
         self.params = dict(inspect.signature(self.model.forward).parameters)
-        # a stand-in for a model on meta (streaming) carries the real module's bound forward
+        # a stand-in for a model on meta (a lazy conversion) carries the real module's bound forward
         self.module = self.model if isinstance(self.model, nn.Module) else \
             getattr(self.model.forward, "__self__", None)
         ref = next(iter(self.model.parameters()), None)

@@ -15,9 +15,9 @@ import torch
 
 from normswap.errors import NormswapError, first_line
 from normswap.io.batches import read_batches
-from normswap.models.section import has_config
+from normswap.folder.attached import has_config
 from normswap.models.inputs import sample_inputs
-from normswap.io.shipped import original_class
+from normswap.folder.shipped import original_class
 
 Batch = torch.Tensor | tuple | dict
 HOW = ("pass `example_inputs`: a batch of what its forward takes (a tensor, a tuple of positional arguments or "

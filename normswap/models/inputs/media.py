@@ -5,6 +5,8 @@ images placed by a position mask instead (Kosmos-2)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -22,11 +24,39 @@ MEDIA = {"pixel_values": ("image", vision.image_token), "pixel_values_videos": (
          "input_features": ("audio", audio.audio_token)}
 
 
+@dataclass(frozen=True)
+class Form:
+    """How a media input is laid out for the model (`spliced`): as built; "transposed" (audio features'
+    other axis order); flattened "patches" (Fuyu); "per image" (an images axis: Idefics); "tiles" (that axis,
+    its tiles marked: Granite-Docling); "sized" (each image's size given); "grid" (one list of patches in the
+    tower's patch shape number `n`, with each image's grid: Qwen-VL); "split" (`n` tiles per image, with their
+    sizes: LLaVA-NeXT)."""
+
+    kind: Literal["as built", "transposed", "patches", "per image", "tiles", "sized", "grid", "split"]
+    n: int = 0
+
+
+@dataclass(frozen=True)
+class Complaint:
+    """What a model's error says it wanted: the image (video, audio) `features` it counted where they did not
+    match the tokens, the `tiles` per image it expected; None where the error does not say."""
+
+    features: int | None = None
+    tiles: int | None = None
+
+
+def read_complaint(error: str) -> Complaint:
+    """What the model's error (its first line) says it wanted. Transformers raises plain ValueErrors and
+    RuntimeErrors and says these counts only in their text: this is the one place that reads it."""
+    mismatch, tiles = MISMATCH.search(error), TILES.search(error)
+    return Complaint(int(mismatch.group(2)) if mismatch else None, int(tiles.group(1)) if tiles else None)
+
+
 def placed_images(ctx: Ctx, x: dict) -> dict:
     """x with room for one image's features after each row's first token, marked in the mask the model places
     them by (Kosmos-2's `image_embeds_position_mask`) rather than at image tokens."""
     n = vision.image_tokens_per_image(ctx) or 1
-    y = spliced(ctx, x, int(text.ids(ctx, (1,))[0]), n, "as built")
+    y = spliced(ctx, x, int(text.ids(ctx, (1,))[0]), n, Form("as built"))
     y["image_embeds_position_mask"] = torch.zeros_like(y["input_ids"])
     y["image_embeds_position_mask"][:, 1:1 + n] = 1
     return y
@@ -59,19 +89,19 @@ def media_tokens(ctx: Ctx, batches: list[dict], mains: list[str], key: str) -> l
     return [spliced(ctx, x, token, n, form) if i in todo else x for i, x in enumerate(batches)]
 
 
-def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, int] | None, str]:
+def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[Form, int] | None, str]:
     """((form of the `key` input, tokens per item), "") that the model runs with, or (None, its last error)."""
     error = ""
     hidden = ctx.integer("hidden_size", "d_model", prefer=("text_config",), default=1)
     if key == "input_features":   # a 2-D convolution over the spectrogram reads either axis order
-        forms = ["as built", "transposed"]
+        forms = [Form("as built"), Form("transposed")]
     elif key != "pixel_values":   # videos as built
-        forms = ["as built"]
+        forms = [Form("as built")]
     elif ctx.has("image_grid_thw"):   # one list of patches in each shape a tower reads (vision.patch_shapes)
-        forms = ["grid:0", "grid:1", "grid:2"]
+        forms = [Form("grid", 0), Form("grid", 1), Form("grid", 2)]
     else:
-        forms = ["as built", "patches", "per image"] + ["tiles"] * ctx.has("pixel_attention_mask") + \
-            ["sized"] * ctx.has("image_sizes")
+        forms = [Form("as built"), Form("patches"), Form("per image")] + [Form("tiles")] * \
+            ctx.has("pixel_attention_mask") + [Form("sized")] * ctx.has("image_sizes")
     for form in forms:
         counts, tried = [n], set()
         while counts:
@@ -83,42 +113,43 @@ def trial(ctx: Ctx, x: dict, token: int, n: int, key: str) -> tuple[tuple[str, i
             error = run(ctx.model, y)
             if not error:
                 return (form, count), ""
-            if m := MISMATCH.search(error):   # features reported per token, or (some models) per value
-                b, f = len(y[key]), int(m.group(2))
+            said = read_complaint(error)
+            if said.features is not None:   # features reported per token, or (some models) per value
+                b, f = len(y[key]), said.features
                 counts += [c // b for c in (f, f // hidden) if c % b == 0 and c >= b and c // b not in tried]
-            if key == "pixel_values" and (m := TILES.search(error)) and f"tiles:{m.group(1)}" not in forms:
+            if key == "pixel_values" and said.tiles is not None and Form("split", said.tiles) not in forms:
                 # the tiles per image it wants (LLaVA-NeXT); an audio model's split error is no such thing
-                forms.append(f"tiles:{m.group(1)}")
+                forms.append(Form("split", said.tiles))
     return None, error
 
 
-def spliced(ctx: Ctx, x: dict, token: int, n: int, form: str) -> dict | None:
+def spliced(ctx: Ctx, x: dict, token: int, n: int, form: Form) -> dict | None:
     """x with n image (video, audio) tokens after the first token of every row (masks and token types grow
     with them), its images in the given form."""
     y = dict(x)
     b = y["input_ids"].shape[0]
-    if form.startswith("grid:"):   # Qwen-VL: one list of patches, each image's grid, the tokens it merges into
+    if form.kind == "grid":   # Qwen-VL: one list of patches, each image's grid, the tokens it merges into
         patches, y["image_grid_thw"] = vision.grid_patches(ctx, len(x["pixel_values"]), wide=False)
         shapes = vision.patch_shapes(ctx, patches)
-        if int(form[5:]) >= len(shapes):
+        if form.n >= len(shapes):
             return None
-        y["pixel_values"] = shapes[int(form[5:])]
+        y["pixel_values"] = shapes[form.n]
         n = int(y["image_grid_thw"][0].prod()) // vision.merge(ctx) ** 2
         if ctx.has("image_merge_sizes"):   # Video-LLaMA 3: each image's merge
             y["image_merge_sizes"] = vision.merges(ctx, len(y["image_grid_thw"]))
-    elif form == "patches":
+    elif form.kind == "patches":
         y["pixel_values"] = vision.flat_patches(ctx, len(x["pixel_values"]))
         if y["pixel_values"] is None:
             return None
-    elif form == "transposed":   # audio features (batch, mels, frames) <-> (batch, frames, mels); as many frames
+    elif form.kind == "transposed":   # audio features (batch, mels, frames) <-> (batch, frames, mels); as many frames
         y["input_features"] = x["input_features"].transpose(1, 2).contiguous()
-    elif form in ("per image", "tiles"):   # (batch, images, channels, h, w): Idefics
+    elif form.kind in ("per image", "tiles"):   # (batch, images, channels, h, w): Idefics
         y["pixel_values"] = x["pixel_values"][:, None]
-        if form == "tiles":   # Granite-Docling: each row's real tiles marked
+        if form.kind == "tiles":   # Granite-Docling: each row's real tiles marked
             y["pixel_attention_mask"] = torch.ones(len(x["pixel_values"]), 1, dtype=torch.bool)
-    elif form.startswith("tiles:"):   # (batch, tiles, channels, h, w): LLaVA-NeXT's tiles of each image
-        y["pixel_values"] = x["pixel_values"][:, None].expand(-1, int(form[6:]), -1, -1, -1).contiguous()
-    if form == "sized" or form.startswith("tiles:"):   # each image's (height, width): LLaVA-NeXT tiles by them
+    elif form.kind == "split":   # (batch, tiles, channels, h, w): LLaVA-NeXT's tiles of each image
+        y["pixel_values"] = x["pixel_values"][:, None].expand(-1, form.n, -1, -1, -1).contiguous()
+    if form.kind in ("sized", "split"):   # each image's (height, width): LLaVA-NeXT tiles by them
         y["image_sizes"] = torch.tensor([list(vision.image_size(ctx))] * len(x["pixel_values"]))
     for key, fill in (("input_ids", token), ("attention_mask", 1), ("token_type_ids", 0)):
         if key in y:

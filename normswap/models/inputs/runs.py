@@ -1,5 +1,5 @@
 """Trial forwards: whether the model runs on some inputs (with its weights, or on a meta skeleton of it when
-streaming), and its error where it does not, which the input builders read to correct their guesses."""
+converting lazily), and its error where it does not, which the input builders read to correct their guesses."""
 from __future__ import annotations
 
 import torch
@@ -19,11 +19,11 @@ def run_either(ctx: Ctx, x: dict) -> str:
 
 @torch.no_grad()
 def runs_on_meta(ctx: Ctx, x: dict) -> bool:
-    """Whether the model's structure takes `x` (a model without weights here, as streaming builds it: a forward
+    """Whether the model's structure takes `x` (a model without weights here, as a lazy conversion builds it: a forward
     on the meta device checks shapes and the paths the inputs open, not values)."""
     if not isinstance(ctx.module, nn.Module) or not any(p.is_meta for p in ctx.module.parameters()):
         return False
-    try:   # a fresh skeleton: streaming's model holds some real tensors (norms, biases) beside meta ones
+    try:   # a fresh skeleton: a lazy conversion's model holds some real tensors (norms, biases) beside meta ones
         with torch.device("meta"):
             skeleton = type(ctx.module)(ctx.config)
     except Exception:

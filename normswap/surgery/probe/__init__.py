@@ -1,0 +1,37 @@
+"""Is this module a LayerNorm over the last dimension? Found by calling it, not by its class.
+
+`probe(module, width)` runs a copy of the module (float64 where it accepts it) in three steps:
+- `estimate`: solve for its *effective* gain g, bias b and eps from its outputs on a few chosen rows;
+- `snap`: where the module's own 1-D parameters (or one plus them: Nemotron's LayerNorm1P) and eps
+  attribute agree with what was measured, use them as is (exact bits);
+- `confirm`: random rows with random means and scales, some with variance near eps, must match the formula.
+Anything that fails (GroupNorm, channels-first, RMSNorm, LayerScale, modules needing other arguments) is
+`NotLayerNorm` with the reason. The module itself is never called (its hooks and state are left alone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from normswap.surgery.probe import confirm, estimate, snap
+from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm
+
+__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "probe"]
+
+
+@dataclass
+class Probed:
+    gain: torch.Tensor          # float64, effective
+    bias: torch.Tensor | None   # float64, effective; None when the module adds nothing
+    eps: float
+
+
+def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
+    """The effective (gain, bias, eps) of `module` if it is a LayerNorm over the last dim of `width`."""
+    g = torch.Generator().manual_seed(seed)
+    est = estimate.estimate(module, width, g)
+    gain, b, eps = snap.snap(module, est)
+    confirm.confirm(est, gain, b, eps, g)
+    return Probed(gain.to(est.device), None if b is None else b.to(est.device), float(eps))

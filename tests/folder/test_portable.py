@@ -1,0 +1,119 @@
+"""The shipped modeling file (`normswap/folder/portable.py`): its norms export with a user's own tools (issue 33.3);
+what every load prints (its `not_preserved` entries) is plain text (issue 33.20)."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import normswap
+from normswap.folder import portable, schema
+
+from helpers.export_models import converted as naive_conversion
+
+
+def bits_pow2_floor(m: torch.Tensor) -> torch.Tensor:
+    """The mantissa-clearing form the file used before (a bit-cast no exporter takes)."""
+    return (m.view(torch.int32) & 0x7F800000).view(torch.float32).clamp(min=1.0)
+
+
+def test_pow2_floor_is_the_largest_power_of_two_below():
+    """The same power of two the bit-cast gave, for every exponent, at and beside each power of two."""
+    e = torch.arange(-149, 128, dtype=torch.float64)
+    p = torch.pow(2.0, e).float()
+    m = torch.cat([p, torch.nextafter(p, torch.tensor(0.0)), torch.nextafter(p, torch.tensor(float("inf"))),
+                   p * 1.5, torch.rand(10000) * torch.pow(2.0, torch.randint(-100, 127, (10000,))).float(),
+                   torch.tensor([0.0, 1.0, torch.finfo(torch.float32).max, float("inf")])])
+    assert torch.equal(portable.pow2_floor(m), bits_pow2_floor(m))
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_shipped_norms_export_with_torch_onnx(tmp_path, dynamo):
+    """torch.onnx.export of the shipped RMSNorm and pRMSNorm (as a user exports a plain-loaded folder) runs in
+    onnxruntime and gives the module's values; both exporters refused view(torch.int32) before."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = torch.nn.Sequential(portable.RMSNorm(16, eps=1e-5), portable.PartialRMSNorm(16, eps=1e-5, p=0.25)).eval()
+    with torch.no_grad():
+        for norm in model:
+            norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 16) * 3 + 1
+    file = tmp_path / "norm.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(file), dynamo=dynamo, input_names=["x"])
+    y = ort.InferenceSession(str(file)).run(None, {"x": x.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(y), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("entry", [{"logits\x1b[2J": "why"}, {"logits": "why\nwarning: fake"}])
+def test_not_preserved_entries_must_be_printable(tmp_path, entry):
+    normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+    portable.validate(section, "m")
+    with pytest.raises(portable.InvalidConversion, match="not_preserved must map output names to reasons"):
+        portable.validate({**section, "not_preserved": entry}, "m")
+
+
+def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
+    """A matrix fix needs format 3 or later (format 2 readers, which ignored unknown keys, refuse format 3 in one
+    line); an unknown key is refused in every format rather than ignored (the model would be another); a format
+    this version does not know is refused."""
+    normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+    assert section["format"] == 4 == schema.FORMAT
+    matrix = {**section, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "matrix": 32}}}
+    for fmt in (3, 4):
+        portable.validate({**matrix, "format": fmt}, "m")
+    with pytest.raises(portable.InvalidConversion, match=r"output_fixes\['transformer.ln_f'\]\.matrix is not in "
+                                                          r"format 2 \(a newer normswap's\?\)"):
+        portable.validate({**matrix, "format": 2}, "m")
+    unknown = {**matrix, "output_fixes": {"transformer.ln_f": {"centre": False, "bias": 0, "scale": 2}}}
+    with pytest.raises(portable.InvalidConversion, match=r"\.scale is not in format 4"):
+        portable.validate(unknown, "m")
+    with pytest.raises(portable.InvalidConversion, match="normswap format 5 is not supported"):
+        portable.validate({**matrix, "format": 5}, "m")
+
+
+def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
+    """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
+    layer = torch.nn.Linear(4, 4)
+    m, b = torch.randn(4, 4), torch.randn(4)
+    portable.add_output_fix(layer, True, b, matrix=m)
+    x = torch.randn(3, 4)
+    y = layer.weight @ x.T
+    want = (y.T + layer.bias - (y.T + layer.bias).mean(-1, keepdim=True)) @ m + b
+    torch.testing.assert_close(layer(x), want)
+    assert portable.fixed(x, False, None, m).equal(x @ m)
+    fresh = torch.nn.Linear(4, 4)   # as loading builds it: zeros the weights fill
+    portable.add_output_fix(fresh, False, width=4, side=4)
+    assert fresh.normswap_matrix.shape == (4, 4) and not fresh.normswap_matrix.any()
+    block = torch.nn.Identity()   # an input fix: centred, then times its matrix (a rotated entry)
+    portable.add_input_fix(block, side=4)
+    block.normswap_input_matrix.data.copy_(m)
+    torch.testing.assert_close(block(x), (x - x.mean(-1, keepdim=True)) @ m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_centring_mean_is_exact_to_its_dtype(dtype):
+    """Rows minus their mean: the mean in fp32 (fp64 for fp64), the difference in x's dtype; fp16 rows of 4096
+    values near 60000 would overflow a sum in fp16."""
+    x = (torch.randn(5, 4096, dtype=torch.float64) * 3 + 7) * (60000 / 16 if dtype == torch.float16 else 1)
+    x = x.clamp(-65000, 65000).to(dtype)
+    want = x.double() - x.double().mean(-1, keepdim=True)
+    got = portable.centred(x)
+    assert got.dtype == dtype
+    err = ((got.double() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    # fp64: the old fp32 mean left ~1e-8 of each row's mean behind; in fp64 it is ~1e-16
+    assert err < {torch.float64: 1e-14, torch.float32: 1e-6}.get(dtype, 1e-2), err
+
+
+def test_an_output_fix_without_bias_or_matrix_only_centres():
+    """A centring-only fix (a tied embedding's) has no normswap_bias / normswap_matrix and returns centre(out)."""
+    emb = torch.nn.Embedding(10, 8)
+    portable.add_output_fix(emb, True)
+    assert "normswap_bias" not in dict(emb.named_parameters()) and "normswap_matrix" not in dict(emb.named_parameters())
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(emb(ids), emb.weight[ids] - emb.weight[ids].mean(-1, keepdim=True))
