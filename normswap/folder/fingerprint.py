@@ -206,25 +206,25 @@ def short(probe: dict) -> dict | None:
     return {"args": probe["args"], "kwargs": encode({k: v[:, :PROBE_TOKENS] for k, v in batch.items()})}
 
 
-def shortest(model: nn.Module, probe: dict) -> dict:
-    """`short(probe)` where the model runs on it, else `probe`: the check's forward costs a small share of a load,
-    and a model that needs its full length (a fixed block size) keeps it."""
+def shortest(model: nn.Module, probe: dict) -> tuple[dict, object]:
+    """(the probe kept, the model's output on it with seed 0): `short(probe)` where the model runs on it, else
+    `probe`: the check's forward costs a small share of a load, and a model that needs its full length (a fixed
+    block size) keeps it."""
     cut = short(probe)
-    if cut is None:
-        return probe
-    try:
-        run_probe(model, cut)
-    except Exception:   # the model's own forward refuses the shorter input: the recorded length it is
-        return probe
-    return cut
+    if cut is not None:
+        try:
+            return cut, run_probe(model, cut, seed=0)
+        except Exception:   # the model's own forward refuses the shorter input: the recorded length it is
+            pass
+    return probe, run_probe(model, probe, seed=0)
 
 
 def record(model: nn.Module, probe: dict) -> dict:
     """The section's `fingerprint` for `model` as it is now: the probe (`shortest`) and the digest of its
     output, or, where none can be taken, the probe and why not (`none`; said once, as a warning)."""
     try:
-        probe = shortest(model, probe)
-        first = digest(run_probe(model, probe, seed=0))
+        probe, out = shortest(model, probe)
+        first = digest(out)
         again = digest(run_probe(model, probe, seed=1))   # another seed: a model that draws random numbers
         if not first:
             why = "it returns no floating tensor"

@@ -33,41 +33,43 @@ PREFIX = "normswap_"   # config.json's model_type: normswap_<the original's>
 MODELING_FILE = "modeling_normswap.py"
 
 
+def reverted(model: nn.Module, keys: list[str] | None = None) -> tuple[dict, dict | None] | None:
+    """(meta stand-ins of the model's tensors `keys` (all: None) by state name, what transformers' save writes
+    them as, or None where it cannot undo a conversion without the values); None where this transformers has no
+    checkpoint conversions."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return None
+    state = model.state_dict(keep_vars=True)
+    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
+                 for k in (state if keys is None else keys) if k in state}
+    try:
+        return stand_ins, revert_weight_conversion(model, dict(stand_ins))
+    except Exception:   # a conversion transformers cannot undo without the values (one that makes new tensors)
+        return stand_ins, None
+
+
 def saved_names(model: nn.Module, keys: list[str] | None = None) -> dict[str, str]:
     """State name -> the key transformers' save_pretrained writes it under, for the names that differ (renamed
     tensors only: one that transformers converts, e.g. merged experts, keeps its name here)."""
     from transformers import PreTrainedModel
-    if not isinstance(model, PreTrainedModel):
+    found = reverted(model, keys) if isinstance(model, PreTrainedModel) else None
+    if found is None or found[1] is None:   # no conversions, or one not undone: saved under the model's names
         return {}
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:   # a transformers without checkpoint conversions
-        return {}
-    state = model.state_dict(keep_vars=True)
-    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta")
-                 for k in (state if keys is None else keys)}
+    stand_ins, written = found
     back = {id(t): k for k, t in stand_ins.items()}
-    try:
-        reverted = revert_weight_conversion(model, dict(stand_ins))
-    except Exception:   # a conversion transformers cannot undo without the values: saved under the model's names
-        return {}
-    return {back[id(t)]: new for new, t in reverted.items() if id(t) in back and back[id(t)] != new}
+    return {back[id(t)]: new for new, t in written.items() if id(t) in back and back[id(t)] != new}
 
 
 def split_on_save(model: nn.Module, keys: list[str]) -> bool:
     """Whether transformers' save would write some of these tensors as other tensors than renamed copies
     (merged MoE experts split, fused projections unfused): what normswap's loaders do not read."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:   # a transformers without checkpoint conversions
+    found = reverted(model, keys)
+    if found is None:
         return False
-    state = model.state_dict(keep_vars=True)
-    stand_ins = {k: torch.empty(state[k].shape, dtype=state[k].dtype, device="meta") for k in keys if k in state}
-    try:
-        reverted = revert_weight_conversion(model, dict(stand_ins))
-    except Exception:   # a conversion transformers cannot undo without the values: one that makes new tensors
-        return True
-    return {id(t) for t in reverted.values()} != {id(t) for t in stand_ins.values()}
+    stand_ins, written = found
+    return written is None or {id(t) for t in written.values()} != {id(t) for t in stand_ins.values()}
 
 
 def register_base_mapping(class_name: str, section: dict) -> None:
