@@ -120,6 +120,17 @@ def _accelerator(o: HealOptions, cpu: bool | None, fsdp: bool | None):
     return accelerator, sharded
 
 
+def end_launch() -> None:
+    """Leave the launch's process group before the process exits: each rank waits for the others, then the
+    group is destroyed. Left to interpreter shutdown, gloo's worker threads can be torn down while still
+    joinable, and a rank aborts ("terminate called without an active exception") after a heal that
+    succeeded. For the CLI, whose process ends here; a library caller keeps its group."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _to_train(run: Run, norms) -> None:
     """The trained parameters chosen (adapters added for LoRA), the optimizer and its schedule made."""
     o, student = run.options, run.student
