@@ -10,7 +10,6 @@ import click
 
 from normswap.cli.options import Shared, shared
 from normswap.errors import NormswapError
-from normswap.healing.prepare import end_launch
 from normswap.pipeline import verbs
 from normswap.pipeline.options import EvaluateOptions, HealCheckpointOptions, PlotOptions
 
@@ -27,7 +26,6 @@ def heal(src, out, opts: Shared, options: HealCheckpointOptions):
     them on the CPU (gloo); an FSDP config (examples/accelerate_fsdp.yaml) shards the model over them.
     """
     result = verbs.heal(src, out, options)
-    end_launch()   # not after a failure: the other ranks may never reach the barrier
     report = result.report
     if not result.main_process:  # under `accelerate launch`: one report, from rank 0
         return

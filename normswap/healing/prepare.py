@@ -3,6 +3,7 @@ optimizer and its schedule, the held-out monitor), gathered into one `Run`. `res
 changed on the student, all but the trained values."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 from collections.abc import Callable
@@ -109,8 +110,14 @@ def _accelerator(o: HealOptions, cpu: bool | None, fsdp: bool | None):
 
     # cpu=True without CUDA: under `accelerate launch`/torchrun that selects gloo (MULTI_CPU) instead of no
     # distribution at all.
+    ours = not _group_initialized()
     accelerator = Accelerator(cpu=not torch.cuda.is_available() if cpu is None else cpu,
                               **tracking.accelerator_kwargs(o))
+    if ours and _group_initialized():
+        # A group left to interpreter shutdown can abort a rank (gloo's worker threads still holding tensors
+        # when Python is torn down: "terminate called without an active exception") after a heal that
+        # succeeded. The group this heal created is destroyed at exit, while Python is still whole.
+        atexit.register(_destroy_group)
     sharded = heal_fsdp.requested(accelerator, fsdp)
     ranks = accelerator.num_processes
     if o.batch_size % ranks:
@@ -120,14 +127,14 @@ def _accelerator(o: HealOptions, cpu: bool | None, fsdp: bool | None):
     return accelerator, sharded
 
 
-def end_launch() -> None:
-    """Leave the launch's process group before the process exits: each rank waits for the others, then the
-    group is destroyed. Left to interpreter shutdown, gloo's worker threads can be torn down while still
-    joinable, and a rank aborts ("terminate called without an active exception") after a heal that
-    succeeded. For the CLI, whose process ends here; a library caller keeps its group."""
+def _group_initialized() -> bool:
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    return dist.is_available() and dist.is_initialized()
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+    if _group_initialized():
         dist.destroy_process_group()
 
 
