@@ -21,7 +21,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, onnx_fingerprint, translate, wrap
-from normswap.export.norm_nodes import check_fused, norm_calls
+from normswap.export.norm_nodes import check_fused, constant_calls, norm_calls
 from normswap.parity import tensors
 
 SIZES = ((1, 7), (3, 33))
@@ -325,8 +325,7 @@ def validate_module(staged: Path, report, reference: nn.Module, batches: list[di
     """`validate_export` for a module exported on example inputs (`batches`, bound and placed for `reference`,
     the fp32 model); every output within fp32_tol * max |output| (fp16: fp16_tol * max(1, max |output|))."""
     sess = opened(staged, report)
-    calls, repeats = norm_calls(reference, batches[0])
-    check_fused(report, calls, repeats)
+    check_fused(report, *norm_calls(reference, batches[0]), constant_calls(reference, batches[0]))
     np_dtype = np.float16 if report.fp16 else np.float32
     for i, (batch, what) in enumerate(_runs(sess, reference, batches)):
         error = NormswapError if i < len(batches) else GrownFails   # the examples come first

@@ -195,3 +195,29 @@ def test_a_dynamic_dim_that_does_not_hold_falls_back_to_the_examples_shapes(tmp_
     assert shape == [2, 6, 8]
     x = torch.randn(2, 6, 8)
     assert rel(run(tmp_path / "m.onnx", {"x": x.numpy()})[0], model(x)) < 1e-5
+
+
+class Latents(nn.Module):
+    """Learnt queries normalised before they read the input (Perceiver's latents): a norm of a constant, which
+    onnxruntime folds away."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents, self.ln_latents = nn.Parameter(torch.randn(4, D)), nn.LayerNorm(D)
+        self.emb, self.block, self.ln_f = nn.Linear(8, D), Block(), nn.LayerNorm(D)
+
+    def forward(self, x):
+        keys = self.ln_f(self.block(self.emb(x)))
+        return torch.softmax(self.ln_latents(self.latents) @ keys.transpose(1, 2), -1) @ keys
+
+
+@pytest.mark.parametrize("converted", [False, True])
+def test_a_norm_of_a_constant_may_be_folded(tmp_path, converted):
+    torch.manual_seed(0)
+    model, batch = Latents().eval(), torch.randn(2, 5, 8)
+    if converted:
+        assert normswap.convert(model, method="exact", example_inputs=[batch]).num_converted == 3
+    report = normswap.export_onnx(model, tmp_path / "m.onnx", example_inputs=[batch])
+    assert report.validated
+    other = torch.randn(3, 7, 8)
+    assert rel(run(tmp_path / "m.onnx", {"x": other.numpy()})[0], model(other)) < 1e-5
