@@ -173,7 +173,10 @@ def _main_output(model: nn.Module) -> str:
 
 def _keep_input_names(model, names: list[str]) -> None:
     """Give the graph's inputs the names asked for: where the forward returns an input unchanged, the exporter
-    renames that input `<output>_orig` (one value cannot be both), and the output becomes an Identity of it."""
+    renames that input `<output>_orig` (one value cannot be both), and the output becomes an Identity of it.
+    By position: the exporter keeps every input, in order (even one the forward does not read)."""
+    if len(model.graph.inputs) != len(names):
+        raise RuntimeError(f"the exported graph has {len(model.graph.inputs)} inputs for {len(names)} given")
     for value, name in zip(model.graph.inputs, names):
         value.name = name
 
