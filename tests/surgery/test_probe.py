@@ -261,3 +261,29 @@ def test_cli_convert_custom_norms(tmp_path):
     converted = normswap.convert(model, method="naive")
     assert converted.num_converted == 5
     assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+class Gain(nn.Module):
+    """One gain vector times a function of x: an RMSNorm in some forms, not in others."""
+
+    def __init__(self, f, d: int = D):
+        super().__init__()
+        self.f, self.g = f, nn.Parameter(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        return self.f(x, self.g)
+
+
+@pytest.mark.parametrize("f, rms", [
+    (lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g, True),
+    (lambda x, g: F.normalize(x, dim=-1) * D ** 0.5 * g, True),              # lucidrains' form
+    (lambda x, g: x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * (1 + g), True),   # Gemma's 1 + w
+    (lambda x, g: F.layer_norm(x, (D,)) * g, False),                         # centred first: a LayerNorm
+    (lambda x, g: x * g, False),                                             # LayerScale
+    (lambda x, g: x / x.abs().amax(-1, keepdim=True) * g, False),            # another scale than the RMS
+])
+def test_computes_rms_norm_by_behaviour(f, rms):
+    from normswap.surgery.probe import computes_rms_norm
+    torch.manual_seed(0)
+    assert computes_rms_norm(Gain(f), D) is rms
+    assert computes_rms_norm(nn.RMSNorm(D), D) and not computes_rms_norm(nn.LayerNorm(D), D)

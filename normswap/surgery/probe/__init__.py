@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from normswap.surgery.probe import confirm, estimate, snap
-from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm
+from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm, call, copies
 
-__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "probe"]
+__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "computes_rms_norm", "probe"]
+RMS_TOL = 1e-4   # relative: eps up to ~1e-5 against rows of mean square >= 1 stays far below it
 
 
 @dataclass
@@ -35,3 +36,26 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     gain, b, eps = snap.snap(module, est)
     confirm.confirm(est, gain, b, eps, g)
     return Probed(gain.to(est.device), None if b is None else b.to(est.device), float(eps))
+
+
+def computes_rms_norm(module: nn.Module, width: int, seed: int = 0) -> bool:
+    """Whether `module` computes an RMSNorm over the last dim of `width` (x / rms(x) times one gain vector,
+    whatever its class or formula): rows with random means and scales all give the same gain."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(8, width, generator=g, dtype=torch.float64) + 3 * torch.randn(8, 1, generator=g,
+                                                                                      dtype=torch.float64)) \
+        * torch.linspace(1, 10, 8, dtype=torch.float64)[:, None]
+    try:
+        for twin, dtype in copies(module):
+            try:
+                y = call(twin, x.to(dtype))
+            except Exception:   # another signature, dtype or shape (the user's code): not a norm it can call
+                continue
+            normed = x.to(dtype).double() * torch.rsqrt(x.to(dtype).double().pow(2).mean(-1, keepdim=True))
+            gain = y[-1] / normed[-1]
+            tol = RMS_TOL if dtype == torch.float64 else 1e-3
+            return bool(torch.isfinite(gain).all() and ((y - normed * gain).abs() <= tol * y.abs().amax(
+                -1, keepdim=True)).all())
+    except NotLayerNorm:   # it cannot be copied to be called
+        pass
+    return False
