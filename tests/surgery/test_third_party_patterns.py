@@ -1,0 +1,275 @@
+"""Patterns third-party model code uses (issue 48), each on a minimal pure-torch model: embedding -> one pre-LN
+block `x + fc(ln1(x))` -> ln_f -> head, with the one pattern added. Each converts exactly through the plain API
+(`example_inputs`), judged on other batch sizes and lengths, or is refused naming its true cause."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import normswap
+from normswap.parity import tensors_in
+from normswap.surgery.labels import Cause, NotExact
+from normswap.surgery.walk import Skip
+
+D, V = 16, 23
+
+
+def ids(b: int, t: int) -> torch.Tensor:
+    return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(b * 100 + t))
+
+
+def perturbed(model: nn.Module) -> nn.Module:
+    """Norm gains and biases away from 1 and 0 (as trained)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.copy_(1 + 0.3 * torch.randn(D, generator=g))
+                module.bias.copy_(0.3 * torch.randn(D, generator=g))
+    return model.eval()
+
+
+class Tiny(nn.Module):
+    """embedding -> x + fc(ln1(x)) -> ln_f -> head; `block` and `head_of` are what variants change."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.ln1, self.fc = nn.Embedding(V, D), nn.LayerNorm(D), nn.Linear(D, D)
+        self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+
+    def block(self, x):
+        return x + self.fc(self.ln1(x))
+
+    def head_of(self, x):
+        return self.head(self.ln_f(x))
+
+    def forward(self, idx):
+        return self.head_of(self.block(self.emb(idx)))
+
+
+def call(model, batch):
+    with torch.no_grad():
+        out = model(*batch) if isinstance(batch, tuple) else model(batch)
+    return [t.double() for t in tensors_in(out) if t.is_floating_point()]
+
+
+def worst(model, others, refs) -> float:
+    return max(((a - b).abs().max() / b.abs().max()).item()
+               for x, ref in zip(others, refs) for a, b in zip(call(model, x), ref))
+
+
+def exact_on_others(model, example, others, method="exact"):
+    """Convert with `example`; the max relative error on `others` against the original (and the report)."""
+    torch.manual_seed(0)
+    model = perturbed(model)
+    refs = [call(model, x) for x in others]
+    report = normswap.convert(model, method=method, example_inputs=example)
+    assert report.method == "exact", report
+    return worst(model, others, refs), report
+
+
+# 1. LayerScale shaped (1, 1, D) (vit-pytorch's CaiT)
+class LayerScale3d(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(0.5 + torch.rand(1, 1, D))
+
+    def block(self, x):
+        return x + self.fc(self.ln1(x)) * self.scale
+
+
+def test_layerscale_shaped_1_1_d_converts_exactly():
+    err, report = exact_on_others(LayerScale3d(), ids(2, 5), [ids(3, 7), ids(1, 2)])
+    assert err < 1e-5 and report.num_converted == 2
+
+
+# 2. A sparse non-persistent buffer (openai-whisper's alignment_heads)
+class SparseBuffer(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("heads", torch.eye(2).bool().to_sparse(), persistent=False)
+
+
+@pytest.mark.parametrize("method", ["exact", "auto"])
+def test_a_sparse_buffer_does_not_stop_the_conversion(method):
+    err, report = exact_on_others(SparseBuffer(), ids(2, 5), [ids(3, 7)], method)
+    assert err < 1e-5 and report.num_converted == 2
+
+
+# 3. where(mask, h, 0) added to the stream (x-transformers, einx.where)
+class MaskedWrite(Tiny):
+    def __init__(self, zero):
+        super().__init__()
+        self.zero = zero
+
+    def block(self, x, mask):
+        zero = self.zero() if callable(self.zero) else self.zero
+        return x + torch.where(mask[..., None], self.fc(self.ln1(x)), zero)
+
+    def forward(self, idx, mask):
+        return self.head_of(self.block(self.emb(idx), mask))
+
+
+def masked(b: int, t: int) -> tuple:
+    return ids(b, t), torch.arange(t).expand(b, t) < torch.arange(t - b, t).view(b, 1)
+
+
+@pytest.mark.parametrize("zero", ["tensor", "scalar"])
+def test_where_with_zero_keeps_the_write_centred(zero):
+    model = MaskedWrite((lambda: torch.asarray(0.).reshape(1, 1, 1)) if zero == "tensor" else 0.)
+    err, report = exact_on_others(model, masked(2, 5), [masked(3, 7), masked(1, 4)])
+    assert err < 1e-5 and report.num_converted == 2
+
+
+# 4. A head tied by hand (Whisper's text decoder)
+class HandTied(Tiny):
+    def __init__(self):
+        super().__init__()
+        del self.head
+
+    def head_of(self, x):
+        return self.ln_f(x) @ self.emb.weight.t()
+
+
+def test_a_head_tied_by_hand_converts_exactly():
+    err, report = exact_on_others(HandTied(), ids(2, 5), [ids(3, 7), ids(1, 2)])
+    assert err < 1e-5
+
+
+# 5. F.layer_norm reading the raw stream (MONAI's SwinUNETR proj_out)
+class FunctionalNormOutput(Tiny):
+    def forward(self, idx):
+        x = self.block(self.emb(idx))
+        return self.head_of(x), F.layer_norm(x, (D,))
+
+
+def test_a_functional_layer_norm_of_the_stream_is_invariant_to_centring():
+    err, report = exact_on_others(FunctionalNormOutput(), ids(2, 5), [ids(3, 7), ids(1, 2)])
+    assert err < 1e-5 and report.num_converted == 2
+
+
+# 6. A norm built but used only under a constructor flag that is off (MONAI's TransformerBlock)
+class Flagged(Tiny):
+    def __init__(self, with_cross: bool = False):
+        super().__init__()
+        self.with_cross = with_cross
+        self.norm_cross, self.cross = nn.LayerNorm(D), nn.Linear(D, D)
+
+    def block(self, x):
+        x = x + self.fc(self.ln1(x))
+        if self.with_cross:
+            x = x + self.cross(self.norm_cross(x))
+        return x
+
+
+def test_a_norm_no_forward_can_reach_is_left_untouched_and_named():
+    err, report = exact_on_others(Flagged(), ids(2, 5), [ids(3, 7)])
+    assert err < 1e-5 and report.num_converted == 2
+    assert [(s.name, s.cause, s.refusal.cause) for s in report.skipped] == [("norm_cross", Skip.KEPT, Cause.UNREACHABLE)]
+
+
+class Gated(Flagged):
+    """The same norm, run only for some inputs: it could run on another input."""
+
+    def block(self, x, cross: bool = False):
+        x = x + self.fc(self.ln1(x))
+        if cross:
+            x = x + self.cross(self.norm_cross(x))
+        return x
+
+
+def test_a_norm_another_input_could_run_is_still_refused():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(Gated()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.UNRUN
+
+
+# 4 (API). A failed verification leaves the caller's model as it was
+def test_a_failed_verification_leaves_the_model_as_it_was(monkeypatch):
+    from normswap.surgery import exact
+    from normswap.surgery.steps import Centre
+
+    real = exact.plan
+
+    def forgetful(model, sites, inputs=None, examples=None):   # a wrong plan that the rehearsal does not see
+        p = real(model, sites, inputs, examples)
+        p.steps = [s for s in p.steps if not isinstance(s, Centre)]
+        return p
+    monkeypatch.setattr(exact, "plan", forgetful)
+    monkeypatch.setattr(exact, "rehearse", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model = perturbed(Tiny())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = dict(model.named_modules())
+    with pytest.raises(NotExact) as e:
+        normswap.convert(model, method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.UNVERIFIED
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(m is modules[n] for n, m in model.named_modules())
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not hasattr(model.fc, "normswap_centre") and not hasattr(model, "normswap")
+
+
+# 7. The cause a refusal names is the real one
+class MetaBlock(nn.Module):
+    """timm's MetaBlock2d: pooling token mixer, BatchNorm, 1x1 convs, per-channel scales."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.fc1, self.fc2 = nn.Conv2d(c, 2 * c, 1), nn.Conv2d(2 * c, c, 1)
+        self.ls1, self.ls2 = nn.Parameter(0.5 + torch.rand(c, 1, 1)), nn.Parameter(0.5 + torch.rand(c, 1, 1))
+
+    def forward(self, x):
+        y = self.norm1(x)
+        x = x + self.ls1 * (self.pool(y) - y)
+        return x + self.ls2 * self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class MetaThenTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.meta = nn.Conv2d(3, D, 4, 4), MetaBlock(D)
+        self.ln1, self.fc, self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 5)
+
+    def forward(self, img):
+        x = self.meta(self.stem(img)).flatten(2).transpose(1, 2)
+        x = x + self.fc(self.ln1(x))
+        return self.head(self.ln_f(x).mean(1))
+
+
+def test_metaformer_then_transformer_names_the_real_cause():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(MetaThenTransformer()), method="exact", example_inputs=torch.randn(2, 3, 16, 16))
+    assert e.value.cause is Cause.OPAQUE, str(e.value)
+    assert "mixes channels of different positions" not in str(e.value)
+
+
+# 8. Partial where partial is possible: a later stage that cannot convert keeps its norms
+class LaterStagePostLN(Tiny):
+    """A pre-LN stage, a norm, then a post-LN stage (its norms' outputs are the stream and are read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_mid, self.ln2, self.fc2, self.fc3 = nn.LayerNorm(D), nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+
+    def block(self, x):
+        x = self.ln_mid(x + self.fc(self.ln1(x)))
+        x = self.ln2(x + self.fc2(x))
+        return x + self.fc3(x)
+
+
+def test_norms_that_can_convert_do_when_a_later_stage_cannot():
+    torch.manual_seed(0)
+    model = perturbed(LaterStagePostLN())
+    others = [ids(3, 7), ids(1, 2)]
+    refs = [call(model, x) for x in others]
+    report = normswap.convert(model, method="exact", example_inputs=ids(2, 5))
+    assert {r.name for r in report.converted} == {"ln1"}
+    assert {s.name for s in report.skipped} == {"ln_mid", "ln2", "ln_f"}
+    assert all(s.cause is Skip.KEPT for s in report.skipped)
+    assert worst(model, others, refs) < 1e-5
