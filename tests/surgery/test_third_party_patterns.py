@@ -214,20 +214,29 @@ def test_a_failed_verification_leaves_the_model_as_it_was(monkeypatch):
 
 
 # 7. The cause a refusal names is the real one
-class MetaBlock(nn.Module):
-    """timm's MetaBlock2d: pooling token mixer, BatchNorm, 1x1 convs, per-channel scales."""
+class LayerScale2d(nn.Module):
+    """timm's LayerScale2d: one 1-D gain over the channels of (B, C, H, W)."""
 
     def __init__(self, c: int):
         super().__init__()
-        self.norm1, self.norm2 = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
-        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
-        self.fc1, self.fc2 = nn.Conv2d(c, 2 * c, 1), nn.Conv2d(2 * c, c, 1)
-        self.ls1, self.ls2 = nn.Parameter(0.5 + torch.rand(c, 1, 1)), nn.Parameter(0.5 + torch.rand(c, 1, 1))
+        self.gamma = nn.Parameter(0.5 + torch.rand(c))
 
     def forward(self, x):
-        y = self.norm1(x)
-        x = x + self.ls1 * (self.pool(y) - y)
-        return x + self.ls2 * self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x * self.gamma.view(1, -1, 1, 1)
+
+
+class MetaBlock(nn.Module):
+    """timm's MetaBlock2d: pooling token mixer, 1x1 convs with BatchNorm, per-channel scales."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.mlp = nn.Sequential(nn.Conv2d(c, 2 * c, 1), nn.BatchNorm2d(2 * c), nn.GELU(), nn.Conv2d(2 * c, c, 1))
+        self.ls1, self.ls2 = LayerScale2d(c), LayerScale2d(c)
+
+    def forward(self, x):
+        x = x + self.ls1(self.pool(x) - x)
+        return x + self.ls2(self.mlp(x))
 
 
 class MetaThenTransformer(nn.Module):
