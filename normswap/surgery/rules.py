@@ -73,8 +73,8 @@ def _fills_zero(name: str, args, kwargs, followed: set[int]) -> bool:
         return isinstance(value, (int, float)) and value == 0 or \
             isinstance(value, torch.Tensor) and value.numel() == 1 and not bool(value.any())
     if name == "where":
-        sides = list(args[1:3]) + [kwargs[k] for k in ("input", "other") if k in kwargs]
-        return all(id(s) in followed or isinstance(s, (int, float)) and s == 0 for s in sides) and len(sides) == 2
+        sides = _where_sides(args, kwargs)
+        return all(id(s) in followed or _zero(s) for s in sides) and len(sides) == 2
     if name in ("__setitem__", "index_put", "index_put_"):
         value = args[2] if len(args) > 2 else kwargs.get("values")
         accumulate = kwargs.get("accumulate", args[3] if name != "__setitem__" and len(args) > 3 else False)
@@ -82,6 +82,30 @@ def _fills_zero(name: str, args, kwargs, followed: set[int]) -> bool:
     if name == "copy_":
         return id(args[1]) in followed
     return True
+
+
+def _zero(value) -> bool:
+    """A constant zero: a number, or a tensor the trace does not follow holding only zeros (`einx.where(m, h, 0.)`
+    runs `where(m, h, asarray(0.).reshape(1, 1, 1))`)."""
+    if isinstance(value, torch.Tensor):
+        return not bool(value.any())
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _where_sides(args, kwargs) -> list:
+    return list(args[1:3]) + [kwargs[k] for k in ("input", "other") if k in kwargs]
+
+
+def _integer_zeros(name: str, args, kwargs, table: dict[int, torch.Tensor], followed: set[int]):
+    """where's constant zero sides as integer zeros (the codes are integers: a float zero would make the result
+    float), given in `table` (tensors) or in the returned args (numbers)."""
+    if name != "where":
+        return args, kwargs
+    for side in _where_sides(args, kwargs):
+        if isinstance(side, torch.Tensor) and id(side) not in followed:
+            table[id(side)] = torch.zeros(side.shape, dtype=torch.long, device=side.device)
+    ints = tuple(0 if i in (1, 2) and isinstance(a, float) else a for i, a in enumerate(args))
+    return ints, {k: 0 if k in ("input", "other") and isinstance(v, float) else v for k, v in kwargs.items()}
 
 
 RESHAPE = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
@@ -160,13 +184,14 @@ def rearranged(func, name: str, args, kwargs, ins: list, outs: list) -> list[Flo
     inplace = name.endswith("_") and not name.endswith("__") or name == "__setitem__"
     if inplace:
         table[id(args[0])] = table[id(args[0])].clone()
+    args, kwargs = _integer_zeros(name, args, kwargs, table, {id(x) for x, _ in ins})
     try:
         result = func(*_substitute(args, table), **_substitute(kwargs, table))
     except Exception:   # an operation the codes cannot follow
         return name
     results = [table[id(args[0])]] if inplace else _tensors(result)
-    if len(results) != len(outs) or any(r.shape != o.shape for r, o in zip(results, outs)):
-        return name
+    if len(results) != len(outs) or any(r.shape != o.shape or r.is_floating_point() for r, o in zip(results, outs)):
+        return name   # not a move of the codes (a float result: a constant the codes cannot carry)
     plain = all(f.plain for _, f in ins)
     return [canonical(r, parts, plain) for r in results]
 
