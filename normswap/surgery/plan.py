@@ -216,6 +216,11 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                                          if (r := _post_ln(t, s.name, fed, many))), None)
         p.bias = _bias_fate(model, t, s, p.readers)
     groups = {label: _grouping(t, label, needs[label], norms) for label in needs}
+    for label, (group, ranges) in groups.items():   # a functional layer_norm ignores only a shift of whole rows
+        if label in t.tolerant and (ranges or {group} != t.tolerant[label]):
+            p = norms[next(iter(needs[label].values()))]
+            p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised whole by a functional "
+                                           "layer_norm but centred in groups of channels", (label.name, p.name))
     for label, (group, ranges) in groups.items():   # output and input fixes centre whole rows only
         if _fixed(model, label) and (ranges or group != t.widths.get(label, group)):
             p = norms[next(iter(needs[label].values()))]

@@ -39,6 +39,8 @@ class Trace:
     ran: set[str] = field(default_factory=set)                                             # parameters
     called: set[str] = field(default_factory=set)                                          # hooked leaves
     poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
+    tolerant: dict[Label, set[int]] = field(default_factory=lambda: defaultdict(set))   # label -> widths of rows
+    # a functional layer_norm read whole: invariant to centring those rows (F.layer_norm, MONAI's proj_out)
 
 
 OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output
@@ -147,6 +149,8 @@ class Recorder(TorchFunctionMode):
             outs = [args[0]]
         if name == MHA and outs:   # nn.MultiheadAttention: its output is its out_proj's
             self._mha(args, kwargs, tracked, outs)
+            return
+        if name == "layer_norm" and outs and self._layer_norm(args, kwargs, outs[0]):
             return
         if not outs or not tracked:
             return
@@ -273,6 +277,21 @@ class Recorder(TorchFunctionMode):
             return None
         return label if k == -1 else Label("param", label.name, k)
 
+    def _layer_norm(self, args, kwargs, out: torch.Tensor) -> bool:
+        """F.layer_norm over the hidden dim of a pure, intact value that holds no norm's output: it removes each
+        row's mean, so centring the row's writers changes nothing it gives (a tolerant read, not a use; `plan`
+        keeps such rows centred whole). Its output is a new opaque value. False: an ordinary operation."""
+        x = args[0] if args else kwargs.get("input")
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+        flow = self.get(x) if isinstance(x, torch.Tensor) else None
+        if self.rotating or flow is None or not flow.pure or flow.zero or flow.codes is not None or flow.hd != -1 or \
+                list(shape or ()) != [x.shape[-1]] or any(label.kind == "norm" for label in flow.labels):
+            return False   # a norm's output read so still needs its bias; a rotation changes what it gives: a use
+        for label in flow.labels:
+            self.trace.tolerant[label].add(x.shape[-1])
+        self.set(out, opaque(frozenset(), "layer_norm" + self.where()))
+        return True
+
     def _mha(self, args, kwargs, tracked, outs) -> None:
         """F.multi_head_attention_forward: the attention output is its out_proj's output (a Linear); the
         query, key and value are read (used)."""
@@ -390,6 +409,6 @@ class Recorder(TorchFunctionMode):
                 continue
             self.read(t)
             flow = self.get(t)
-            if flow is None or not flow.pure or flow.zero:
+            if self.rotating or flow is None or not flow.pure or flow.zero:
                 continue
             self.use(t, flow, User("output", "" if t is main else name))
