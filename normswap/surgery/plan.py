@@ -45,7 +45,7 @@ class Plan:
     steps: list[Step]
     reasons: list[Refusal] = field(default_factory=list)   # model-wide: untraced writers
     not_kept: dict[str, str] = field(default_factory=dict)   # returned output -> why it is not preserved
-    uncalled: list[str] = field(default_factory=list)    # centred layers whose weights are used without a call
+    uncalled: list[str] = field(default_factory=list)    # centred layers whose weights are used by hand
 
     @property
     def refusal(self) -> Refusal | None:
@@ -222,7 +222,7 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
             p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised whole by a functional "
                                            "layer_norm but centred in groups of channels", (label.name, p.name))
     for label, (group, ranges) in groups.items():   # output and input fixes centre whole rows only
-        if _fixed(model, label) and (ranges or group != t.widths.get(label, group)):
+        if _fixed(model, t, label) and (ranges or group != t.widths.get(label, group)):
             p = norms[next(iter(needs[label].values()))]
             p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised in groups of channels, which "
                                            "its output (or input) centring cannot do", (label.name, p.name))
@@ -233,8 +233,9 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                 if label.kind == "norm" else "the residual stream, returned centred (each row minus its mean)"
                 for label in needs for user in t.uses.get(label, {}) if (name := user.nested)}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
+    # centred layers whose weights are used without a call (or read directly too): rehearsed by their values
     uncalled = [s.target.name for s in steps if isinstance(s, Centre) and isinstance(s.target, Module)
-                and s.target.name not in t.called]
+                and (s.target.name not in t.called or _read_directly(t, s.target.name, owner=True))]
     return Plan(norms, steps, reasons, dict(sorted(not_kept.items())), uncalled)
 
 
@@ -254,12 +255,21 @@ def _grouping(t: Trace, label: Label, ranges: dict[tuple, str], norms: dict[str,
     return 0, tuple(spans)
 
 
-def _fixed(model: nn.Module, label: Label) -> bool:
-    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding."""
+def _fixed(model: nn.Module, t: Trace, label: Label) -> bool:
+    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding (tied as
+    parameters, or by hand: its weight also read directly, as Whisper's `x @ embedding.weight.T` head)."""
     if label.kind in ("norm", "entry"):
         return True
     layer = model.get_submodule(label.name) if label.kind == "layer" else None
-    return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre"))
+    return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre") or
+                                                _read_directly(t, f"{label.name}.weight"))
+
+
+def _read_directly(t: Trace, name: str, owner: bool = False) -> bool:
+    """Whether the forward reads the parameter `name` itself (not through its module's call), along any dim; with
+    `owner`, any parameter of the module `name`."""
+    return any(label.kind == "param" and (label.name.rpartition(".")[0] if owner else label.name) == name and users
+               for label, users in t.uses.items())
 
 
 def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[Refusal]:
@@ -312,7 +322,7 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                     steps.append(Fix(name, centre=True, at_input=True))
                 continue
             layer = model.get_submodule(name) if kind == "layer" else None
-            if _fixed(model, label):
+            if _fixed(model, t, label):
                 if not hasattr(layer, "normswap_centre"):   # centred at lookup already (earlier pass)
                     steps.append(Fix(name, centre=True))
                 continue
