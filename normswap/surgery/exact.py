@@ -43,8 +43,9 @@ swapped, the converted model runs on the same inputs and a max relative error ab
 non-finite output, raises VerificationFailed: 1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in
 place for both runs and cast back (a lossless round trip; peak memory is then the fp32 model), and since
 their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 /
-2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
-CLI then converts the source again, naively, under `auto`: `auto_or_naive`, the one fallback).
+2e-2. That failure comes after the edits: the in-memory model is put back as it was (`undo`: the originals of only
+what the plan edits, kept before the edits) and, under `auto`, converted naively instead (`auto_or_naive`, the
+one fallback; a folder converted lazily is converted again from the source).
 
 The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the lazy
 writer in `pipeline.lazy_convert`), and checked by `verification`.
@@ -69,6 +70,7 @@ from normswap.surgery.plan import NormPlan, Plan, derive, keepable
 from normswap.surgery.rehearse import rehearsal
 from normswap.surgery.steps import Step
 from normswap.surgery.trace import ForwardFailed, trace
+from normswap.surgery.undo import Undo
 from normswap.surgery.verification import TOLERANCE, VerificationFailed, fp32_eval, verify
 from normswap.surgery.walk import NormSite
 
@@ -188,7 +190,10 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan, examples=Non
     copy of the model, on its samples and the user's `examples`), which the swapped model is verified against."""
     reference = verification.reference(model, p.not_kept, examples)
     rehearse(model, sites, p, reference)
-    return interpret(model, p, reference=reference)
+    undo = Undo(model, p.steps, sites)   # the originals of what the edits touch, should verification fail
+    result = interpret(model, p, reference=reference)
+    result.undo = undo
+    return result
 
 
 class InMemory:

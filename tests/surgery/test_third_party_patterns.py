@@ -283,3 +283,24 @@ def test_norms_that_can_convert_do_when_a_later_stage_cannot():
     assert {s.name for s in report.skipped} == {"ln_mid", "ln2", "ln_f"}
     assert all(s.cause is Skip.KEPT for s in report.skipped)
     assert worst(model, others, refs) < 1e-5
+
+
+def test_a_failed_verification_under_auto_converts_naively_from_the_original(monkeypatch):
+    from normswap.surgery import exact
+    from normswap.surgery.steps import Centre
+
+    real = exact.plan
+
+    def forgetful(model, sites, inputs=None, examples=None):
+        p = real(model, sites, inputs, examples)
+        p.steps = [s for s in p.steps if not isinstance(s, Centre)]
+        return p
+    monkeypatch.setattr(exact, "plan", forgetful)
+    monkeypatch.setattr(exact, "rehearse", lambda *a, **k: None)
+    torch.manual_seed(0)
+    model = perturbed(Tiny())
+    weights = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith(("ln1", "ln_f"))}
+    with pytest.warns(normswap.errors.FellBackToNaive):
+        report = normswap.convert(model, method="auto", example_inputs=ids(2, 5))
+    assert report.method == "naive" and report.num_converted == 2 and not report.added_biases
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())   # naive edits nothing else
