@@ -14,6 +14,7 @@ from normswap.folder.attached import section as model_section
 from normswap.folder.attached import set_section
 from normswap.folder.section import new_section
 from normswap.models.wrapped import unwrapped
+from normswap.surgery.labels import Cause, Refusal
 from normswap.surgery.exact import InMemory, auto, auto_or_naive, exact
 from normswap.surgery.methods import BiasFate, ExactSteps, Method, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
@@ -161,6 +162,12 @@ def _finish(model: nn.Module, sites: list[NormSite], report: ConversionReport, r
     return report, result
 
 
+def _kept_reason(refusal: Refusal) -> str:
+    if refusal.cause is Cause.UNREACHABLE:
+        return f"left as it is (a LayerNorm that never runs): {refusal}"
+    return f"kept as it is so that the rest converts exactly: {refusal}"
+
+
 def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: NormType,
           p: float | None, steps: ExactSteps) -> None:
     """The norms swapped after `result`'s method ran, and what it did written into `report` and the section."""
@@ -169,9 +176,8 @@ def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, res
     report.warnings += result.warnings
     report.not_preserved, report.unverified = result.not_preserved, result.unverified
     if result.kept:   # exact for the others; these could not be, and stay as they are
-        report.skipped += [Skipped(s.name, type(s.module).__name__, "kept as it is so that the rest converts exactly: "
-                                   f"{result.kept[s.name]}", Skip.KEPT, result.kept[s.name])
-                           for s in sites if s.name in result.kept]
+        report.skipped += [Skipped(s.name, type(s.module).__name__, _kept_reason(result.kept[s.name]), Skip.KEPT,
+                                   result.kept[s.name]) for s in sites if s.name in result.kept]
         sites = [s for s in sites if s.name not in result.kept]
     for site in sites:
         replace_module(model, site.name, _make_norm(site, to, p))

@@ -20,7 +20,7 @@ from torch import nn
 
 from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
 from normswap.surgery.labels import BiasPlan, Cause, Label, Refusal, User
-from normswap.surgery.reach import dead, read_names, unreachable
+from normswap.surgery.reach import dead, read_names, switched_off, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale, Step
 from normswap.surgery.walk import NormSite
@@ -194,6 +194,10 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)
+        if not calls and switched_off(model, s.name):
+            p.reason = Refusal(Cause.UNREACHABLE, f"{s.name} never runs: its model reads it only under a "
+                               "constructor switch that is off, so no input reaches it", (s.name,))
+            continue
         if not calls:
             p.reason = Refusal(Cause.UNRUN, f"{s.name} did not run on the sample inputs", (s.name,))
             continue
@@ -349,12 +353,14 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
 def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
     """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
     exact RMSNorms: none where the model is post-LN or a parameter never ran (those concern every norm), or
-    where every norm is refused. A LayerNorm ignores the mean its input loses when the stream's writers are
-    centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
+    where every norm is refused; but always the norms no input can run (`Cause.UNREACHABLE`). A LayerNorm
+    ignores the mean its input loses when the stream's writers are centred, so keeping one is exact whenever the
+    rest of the plan is (the rehearsal checks it)."""
     refused = {n: q.reason for n, q in p.norms.items() if q.reason}
+    never = {n: r for n, r in refused.items() if r.cause is Cause.UNREACHABLE}   # always left as they are
     if p.reasons or not refused or len(refused) >= len(sites) or \
             any(r.cause is Cause.POST_LN for r in refused.values()):
-        return {}
+        return never if len(never) < len(sites) else {}
     # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
     # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm
     # reading one, or writing one, stays a LayerNorm too (Swin: all stages but the last).
@@ -366,4 +372,4 @@ def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
             what = "its output" if hit == own else f"its input holds {hit.ref}, which"
             refused[s.name] = Refusal(Cause.PINNED, f"{what} also reaches {pinned[hit]}, whose input is not a plain "
                                       "sum, so it cannot be centred", (s.name, pinned[hit]))
-    return refused if len(refused) < len(sites) else {}
+    return refused if len(refused) < len(sites) else never if len(never) < len(sites) else {}
