@@ -229,6 +229,7 @@ def _flagged_off(owner: nn.Module, attr: str) -> bool:
                         guards.setdefault(id(sub), set()).update(names)
         found = set.intersection(*(guards.get(id(r), set()) for r in reads))
         flags = found if flags is None else flags & found
+    flags = (flags or set()) - set(vars(nn.Module()))   # `training`: torch's own code sets it (train(), eval())
     if not flags:
         return False
     try:
