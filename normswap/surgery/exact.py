@@ -108,20 +108,28 @@ def _refused(sites: list[NormSite], reason: Refusal) -> Plan:
 
 
 def plan(model: nn.Module, sites: list[NormSite], inputs: list[dict] | None = None,
-         examples=None) -> Plan:
+         examples=None, seen: dict | None = None) -> Plan:
     """Trace `model` on `inputs` (default: `model_inputs(model, examples)`: its samples and the user's examples,
     the ones verification uses), merge what every forward showed and derive the plan; the plan's `reason` is
-    set where a norm cannot be made exact, or the model has no input to trace it on or fails on them."""
+    set where a norm cannot be made exact, or the model has no input to trace it on or fails on them. `seen`
+    holds the trace for the next plan of the same unedited model with fewer norms (norms kept: `planned`),
+    which derives from it: a kept norm is still a norm there (it stays a LayerNorm)."""
+    held = seen.get("trace") if seen is not None else None
+    if held is not None and {s.name for s in sites} <= held[0]:
+        return derive(model, held[1], sites)
     if inputs is None:
         try:
             inputs = model_inputs(model, examples)
         except NoInputs as e:  # a model normswap cannot feed, and no example inputs
             return _refused(sites, Refusal(Cause.INPUTS, f"no sample input to trace it ({first_line(e, strip=True)})"))
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
+    norms |= {s.name for s in sites}
     try:
-        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms | {s.name for s in sites})
+        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms)
     except ForwardFailed as e:  # the model's own forward failed on its inputs: say so instead of a traceback
         return _refused(sites, Refusal(Cause.FORWARD, f"tracing failed: {e}"))
+    if seen is not None:
+        seen["trace"] = norms, t
     return derive(model, t, sites)
 
 
@@ -152,15 +160,16 @@ def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> Metho
     """The exact conversion by `steps` (refused norms kept as LayerNorms where the rest can then be exact);
     NotExact, the model untouched, where it cannot be."""
     p = steps.plan(model, sites)
-    first, kept = p.refusal, keepable(p, sites)
-    if kept:   # the other norms may be exact without these: plan them alone, these stay LayerNorm
-        retry = steps.plan(model, [s for s in sites if s.name not in kept])
-        if retry.refusal:
-            kept = {}
-        else:
-            sites, p = [s for s in sites if s.name not in kept], retry
+    first, kept, left = p.refusal, {}, sites
+    # the other norms may be exact without those refused: plan them alone, those stay LayerNorm; keeping a norm can
+    # refuse the norms it reaches (a post-LN stage: each reads the one before), so again until none is refused
+    while p.refusal and (more := keepable(p, left)):
+        kept |= more
+        left = [s for s in sites if s.name not in kept]
+        p = steps.plan(model, left)
     if p.refusal:
-        raise NotExact(p.refusal)
+        raise NotExact(first)
+    sites = left
     try:
         result = steps.apply(model, sites, p)
     except NotExact:   # the rehearsal says keeping them was not enough: the first cause is the true one
@@ -201,15 +210,16 @@ class InMemory:
     sample inputs and the user's `examples` (`example_inputs`)."""
 
     def __init__(self, examples=None):
-        self.examples = examples
+        self.examples, self.seen = examples, {}   # seen: the trace of the unedited model (`plan`)
 
     def inputs(self, model: nn.Module) -> list[dict]:
         return model_inputs(model, self.examples)
 
     def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
-        return plan(model, sites, examples=self.examples)
+        return plan(model, sites, examples=self.examples, seen=self.seen)
 
     def apply(self, model: nn.Module, sites: list[NormSite], p: Plan) -> MethodResult:
+        self.seen.clear()   # the model is edited now
         return convert_exact(model, sites, p, self.examples)
 
 

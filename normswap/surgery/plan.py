@@ -352,14 +352,13 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
 
 def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
     """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
-    exact RMSNorms: none where the model is post-LN or a parameter never ran (those concern every norm), or
-    where every norm is refused; but always the norms no input can run (`Cause.UNREACHABLE`). A LayerNorm
-    ignores the mean its input loses when the stream's writers are centred, so keeping one is exact whenever the
-    rest of the plan is (the rehearsal checks it)."""
+    exact RMSNorms (post-LN ones too: a later post-LN stage stays LayerNorm, an earlier pre-LN one converts):
+    none where a parameter never ran (that concerns every norm), or where every norm is refused; but always the
+    norms no input can run (`Cause.UNREACHABLE`). A LayerNorm ignores the mean its input loses when the stream's
+    writers are centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
     refused = {n: q.reason for n, q in p.norms.items() if q.reason}
     never = {n: r for n, r in refused.items() if r.cause is Cause.UNREACHABLE}   # always left as they are
-    if p.reasons or not refused or len(refused) >= len(sites) or \
-            any(r.cause is Cause.POST_LN for r in refused.values()):
+    if p.reasons or not refused or len(refused) >= len(sites):
         return never if len(never) < len(sites) else {}
     # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
     # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm

@@ -194,8 +194,8 @@ def test_a_failed_verification_leaves_the_model_as_it_was(monkeypatch):
 
     real = exact.plan
 
-    def forgetful(model, sites, inputs=None, examples=None):   # a wrong plan that the rehearsal does not see
-        p = real(model, sites, inputs, examples)
+    def forgetful(model, sites, inputs=None, examples=None, **kw):   # a wrong plan the rehearsal does not see
+        p = real(model, sites, inputs, examples, **kw)
         p.steps = [s for s in p.steps if not isinstance(s, Centre)]
         return p
     monkeypatch.setattr(exact, "plan", forgetful)
@@ -291,8 +291,8 @@ def test_a_failed_verification_under_auto_converts_naively_from_the_original(mon
 
     real = exact.plan
 
-    def forgetful(model, sites, inputs=None, examples=None):
-        p = real(model, sites, inputs, examples)
+    def forgetful(model, sites, inputs=None, examples=None, **kw):
+        p = real(model, sites, inputs, examples, **kw)
         p.steps = [s for s in p.steps if not isinstance(s, Centre)]
         return p
     monkeypatch.setattr(exact, "plan", forgetful)
