@@ -163,9 +163,11 @@ def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> Metho
     first, kept, left = p.refusal, {}, sites
     # the other norms may be exact without those refused: plan them alone, those stay LayerNorm; keeping a norm can
     # refuse the norms it reaches (a post-LN stage: each reads the one before), so again until none is refused
-    while p.refusal and (more := keepable(p, left)):
+    while more := keepable(p, left, set(kept)):
         kept |= more
         left = [s for s in sites if s.name not in kept]
+        if not left:   # every norm would stay: the first cause is the model's
+            raise NotExact(first)
         p = steps.plan(model, left)
     if p.refusal:
         raise NotExact(first)

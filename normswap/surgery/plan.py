@@ -350,25 +350,33 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
     return steps
 
 
-def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
-    """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
-    exact RMSNorms (post-LN ones too: a later post-LN stage stays LayerNorm, an earlier pre-LN one converts):
-    none where a parameter never ran (that concerns every norm), or where every norm is refused; but always the
-    norms no input can run (`Cause.UNREACHABLE`). A LayerNorm ignores the mean its input loses when the stream's
-    writers are centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
+def keepable(p: Plan, sites: list[NormSite], kept: set[str] = frozenset()) -> dict[str, Refusal]:
+    """Norms of `sites` refused for what reaches their own input, which could stay LayerNorms while the others
+    become exact RMSNorms (post-LN ones too: a later post-LN stage stays LayerNorm, an earlier pre-LN one
+    converts), and the norms that then stay too (`Cause.PINNED`); `kept`: norms already kept. Only the norms no
+    input can run (`Cause.UNREACHABLE`) where a parameter never ran (that concerns every norm). A LayerNorm ignores
+    the mean its input loses when the stream's writers are centred, so keeping one is exact whenever the rest of
+    the plan is (the rehearsal checks it); the caller refuses the model where every norm would be kept."""
     refused = {n: q.reason for n, q in p.norms.items() if q.reason}
-    never = {n: r for n, r in refused.items() if r.cause is Cause.UNREACHABLE}   # always left as they are
-    if p.reasons or not refused or len(refused) >= len(sites):
-        return never if len(never) < len(sites) else {}
+    if p.reasons:
+        return {n: r for n, r in refused.items() if r.cause is Cause.UNREACHABLE}
     # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
     # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm
     # reading one, or writing one, stays a LayerNorm too (Swin: all stages but the last).
     pinned = {label: n for n in refused if p.norms[n].shifted for label in p.norms[n].sources}
+    # A kept norm's output is left as it is (no fix added to it): a norm reading it stays a LayerNorm too.
+    outputs = {Label("norm", n): n for n in [*kept, *refused]}
     for s in sites:
         own = Label("norm", s.name)
         hit = next((lb for lb in [*p.norms[s.name].sources, own] if lb in pinned), None)
-        if s.name not in refused and hit:
+        held = next((lb for lb in p.norms[s.name].sources if lb in outputs), None)
+        if s.name in refused:
+            continue
+        if hit:
             what = "its output" if hit == own else f"its input holds {hit.ref}, which"
             refused[s.name] = Refusal(Cause.PINNED, f"{what} also reaches {pinned[hit]}, whose input is not a plain "
                                       "sum, so it cannot be centred", (s.name, pinned[hit]))
-    return refused if len(refused) < len(sites) else never if len(never) < len(sites) else {}
+        elif held:
+            refused[s.name] = Refusal(Cause.PINNED, f"its input holds the output of {outputs[held]}, which stays a "
+                                      "LayerNorm (its output left as it is, not centred)", (s.name, outputs[held]))
+    return refused

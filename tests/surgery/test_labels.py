@@ -58,6 +58,9 @@ def test_the_cause_of_a_refusal_decides_not_its_wording():
     assert keepable(p, sites)["a"].cause is Cause.READ
     p.reasons.append(Refusal(Cause.UNRUN, "x did not run", ("x",)))   # model-wide: nothing kept back
     assert keepable(p, sites) == {} and p.reason == "a is read by post-LN.proj"
+    p, sites = _plan()
+    p.norms["c"].sources = [Label("norm", "a")]   # c reads a kept norm's output: c stays too
+    assert {n: r.cause for n, r in keepable(p, sites, {"a"}).items()} == {"c": Cause.PINNED}
     assert _plan()[0].reason is None and _plan()[0].refusal is None
 
 
