@@ -46,6 +46,14 @@ class Trace:
 OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output
 
 
+def _channel_dim(x: torch.Tensor, n: int, flow: Flow | None) -> int:
+    """The dim of x (negative) a per-channel scale of `n` channels runs along: where its flow has them, else its
+    last dim of that size."""
+    if flow is not None and flow.hd is not None and flow.codes is None and x.shape[flow.hd] == n:
+        return flow.hd
+    return next((d - x.dim() for d in range(x.dim() - 1, -1, -1) if x.shape[d] == n), -1)
+
+
 class Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module, norms: set[str], rotating: bool = False):
         super().__init__()
@@ -66,6 +74,7 @@ class Recorder(TorchFunctionMode):
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending = TensorMap()       # slice -> (Flow, User): slices not read yet
         self.deferred: list[tuple[User, frozenset, list, dict]] = []      # uses of rearranged tensors
+        self.scaled: dict[str, int] = {}   # a scale module running now -> the dim of its input's channels
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
@@ -339,11 +348,13 @@ class Recorder(TorchFunctionMode):
             self.inside = None
         if name in self.norms and not reader:
             self._norm_input(name, x, flow)
-        elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \
-                and flow.codes is None and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
-            self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
-            self.inside = name
-            return
+        elif name not in self.norms and x is not None and is_scale(module):
+            # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C)
+            self.scaled[name] = hd = _channel_dim(x, next(module.parameters()).shape[0], flow)
+            if flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == hd:
+                self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
+            else:
+                self._leaf_reads(name, module, x, flow)
         else:
             self._leaf_reads(name, module, x, flow)
         self.inside = name
@@ -393,8 +404,9 @@ class Recorder(TorchFunctionMode):
         if first is not None and first.dim():
             conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
             label = Label("norm" if name in self.norms else "layer", name)
-            self.set(first, Flow(frozenset({label}), hd=1 - first.dim() if conv else -1))
-            self.trace.widths[label] = first.shape[1 if conv else -1]
+            hd = 1 - first.dim() if conv else self.scaled.pop(name, -1)   # a scale: where its input's channels were
+            self.set(first, Flow(frozenset({label}), hd=hd))
+            self.trace.widths[label] = first.shape[hd]
 
     def outputs(self, out) -> None:
         """Every floating tensor returned is read by the model output, the main one or one by name (see `plan`:
