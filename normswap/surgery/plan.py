@@ -20,7 +20,7 @@ from torch import nn
 
 from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
 from normswap.surgery.labels import BiasPlan, Cause, Label, Refusal, User
-from normswap.surgery.reach import dead, read_names, switched_off, unreachable
+from normswap.surgery.reach import dead, never_runs, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale, Step
 from normswap.surgery.walk import NormSite
@@ -194,9 +194,10 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)
-        if not calls and switched_off(model, s.name):
-            p.reason = Refusal(Cause.UNREACHABLE, f"{s.name} never runs: its model reads it only under a "
-                               "constructor switch that is off, so no input reaches it", (s.name,))
+        if not calls and never_runs(model, s.name):
+            p.reason = Refusal(Cause.UNREACHABLE, f"{s.name} never runs: its model's code reads it only under a "
+                               "constructor switch that is off, or only in a forward nothing calls, so no input "
+                               "reaches it", (s.name,))
             continue
         if not calls:
             p.reason = Refusal(Cause.UNRUN, f"{s.name} did not run on the sample inputs", (s.name,))

@@ -26,8 +26,8 @@ def perturbed(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
-                module.weight.copy_(1 + 0.3 * torch.randn(D, generator=g))
-                module.bias.copy_(0.3 * torch.randn(D, generator=g))
+                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
+                module.bias.copy_(0.3 * torch.randn(module.bias.shape, generator=g))
     return model.eval()
 
 
@@ -306,3 +306,51 @@ def test_a_failed_verification_under_auto_converts_naively_from_the_original(mon
         report = normswap.convert(model, method="auto", example_inputs=ids(2, 5))
     assert report.method == "naive" and report.num_converted == 2 and not report.added_biases
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())   # naive edits nothing else
+
+
+P = 12   # pixels per patch
+
+
+class PatchViT(nn.Module):
+    """A ViT over flattened patches (vit-pytorch's): a LayerNorm of the raw pixels, a class token and a head only
+    its own forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch_norm, self.proj = nn.LayerNorm(P), nn.Linear(P, D)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, D))
+        self.ln1, self.fc, self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, 5)
+
+    def blocks(self, x):
+        return x + self.fc(self.ln1(x))
+
+    def forward(self, patches):
+        x = self.proj(self.patch_norm(patches))
+        x = self.blocks(torch.cat([self.cls_token.expand(len(x), 1, D), x], 1))
+        return self.head(self.ln_f(x)[:, 0])
+
+
+class MAE(nn.Module):
+    """vit-pytorch's MAE: runs its encoder's pieces by hand, never the encoder's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.to_pixels = PatchViT(), nn.Linear(D, P)
+
+    def forward(self, patches):
+        x = self.encoder.proj(self.encoder.patch_norm(patches))
+        return self.to_pixels(self.encoder.ln_f(self.encoder.blocks(x)))
+
+
+def patches(b: int, n: int) -> torch.Tensor:
+    return torch.randn(b, n, P, generator=torch.Generator().manual_seed(b * 10 + n))
+
+
+def test_a_vit_over_patches_converts_with_its_pixel_norm():   # the model's input centred at its entry
+    err, report = exact_on_others(PatchViT(), patches(2, 4), [patches(3, 6)])
+    assert err < 1e-5 and report.num_converted == 3 and not report.skipped
+
+
+def test_parameters_only_an_uncalled_forward_reads_do_not_block_an_mae():
+    err, report = exact_on_others(MAE(), patches(2, 4), [patches(3, 6)])
+    assert err < 1e-5 and report.num_converted == 3 and not report.skipped
