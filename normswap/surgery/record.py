@@ -3,8 +3,6 @@ tensor a `flow.Flow` and record, per norm call, its input; per leaf, what it rea
 (see `trace` for the whole story, `rules` for the operations and `labels` for labels and users)."""
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,7 +13,7 @@ from normswap.models.introspect import floating_buffers, in_width, is_scale, nor
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
-from normswap.surgery.flow import ZERO, Flow, NormInput, channels_read, norm_input, opaque
+from normswap.surgery.flow import OTHER, ZERO, Flow, NormInput, Trace, channel_dim, channels_read, norm_input, opaque
 from normswap.surgery.labels import Label, User
 from normswap.surgery.tensormap import TensorMap
 
@@ -25,33 +23,6 @@ IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_
 MHA = "multi_head_attention_forward"
 
 
-@dataclass
-class Trace:
-    """What the forwards showed, by `labels.Label` (what a value is made of) and `labels.User` (who read it)."""
-
-    calls: dict[str, list[NormInput]] = field(default_factory=lambda: defaultdict(list))   # norm -> calls
-    readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))       # norm -> layers
-    reads: dict[str, set] = field(default_factory=lambda: defaultdict(set))   # layer -> its norm labels, OTHER
-    uses: dict[Label, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
-    fed_norms: dict[Label, set[str]] = field(default_factory=lambda: defaultdict(set))     # label -> norms
-    scales: dict[Label, list[Flow]] = field(default_factory=lambda: defaultdict(list))     # scale -> inputs
-    widths: dict[Label, int] = field(default_factory=dict)                                 # label -> width
-    ran: set[str] = field(default_factory=set)                                             # parameters
-    called: set[str] = field(default_factory=set)                                          # hooked leaves
-    poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
-    tolerant: dict[Label, set[int]] = field(default_factory=lambda: defaultdict(set))   # label -> widths of rows
-    # a functional layer_norm read whole: invariant to centring those rows (F.layer_norm, MONAI's proj_out)
-
-
-OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output
-
-
-def _channel_dim(x: torch.Tensor, n: int, flow: Flow | None) -> int:
-    """The dim of x (negative) a per-channel scale of `n` channels runs along: where its flow has them, else its
-    last dim of that size."""
-    if flow is not None and flow.hd is not None and flow.codes is None and x.shape[flow.hd] == n:
-        return flow.hd
-    return next((d - x.dim() for d in range(x.dim() - 1, -1, -1) if x.shape[d] == n), -1)
 
 
 class Recorder(TorchFunctionMode):
@@ -350,7 +321,7 @@ class Recorder(TorchFunctionMode):
             self._norm_input(name, x, flow)
         elif name not in self.norms and x is not None and is_scale(module):
             # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C)
-            self.scaled[name] = hd = _channel_dim(x, next(module.parameters()).shape[0], flow)
+            self.scaled[name] = hd = channel_dim(x, next(module.parameters()).shape[0], flow)
             if flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == hd:
                 self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
             else:
