@@ -392,6 +392,6 @@ class Recorder(TorchFunctionMode):
                 continue
             self.read(t)
             flow = self.get(t)
-            if self.rotating or flow is None or not flow.pure or flow.zero:
+            if flow is None or not flow.pure or flow.zero:
                 continue
             self.use(t, flow, User("output", "" if t is main else name))
