@@ -8,8 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.user_models import perturbed
+
 import normswap
 from normswap.parity import tensors_in
+from normswap.surgery import exact
+from normswap.surgery.steps import Centre
 from normswap.surgery.labels import Cause, NotExact
 from normswap.surgery.walk import Skip
 
@@ -18,17 +22,6 @@ D, V = 16, 23
 
 def ids(b: int, t: int) -> torch.Tensor:
     return torch.randint(0, V, (b, t), generator=torch.Generator().manual_seed(b * 100 + t))
-
-
-def perturbed(model: nn.Module) -> nn.Module:
-    """Norm gains and biases away from 1 and 0 (as trained)."""
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=g))
-                module.bias.copy_(0.3 * torch.randn(module.bias.shape, generator=g))
-    return model.eval()
 
 
 class Tiny(nn.Module):
@@ -188,18 +181,20 @@ def test_a_norm_another_input_could_run_is_still_refused():
 
 
 # 4 (API). A failed verification leaves the caller's model as it was
-def test_a_failed_verification_leaves_the_model_as_it_was(monkeypatch):
-    from normswap.surgery import exact
-    from normswap.surgery.steps import Centre
-
+@pytest.fixture
+def uncentred(monkeypatch):
+    """A wrong plan (no source centred) that the rehearsal does not see: verification fails after the edits."""
     real = exact.plan
 
-    def forgetful(model, sites, inputs=None, examples=None, **kw):   # a wrong plan the rehearsal does not see
+    def forgetful(model, sites, inputs=None, examples=None, **kw):
         p = real(model, sites, inputs, examples, **kw)
         p.steps = [s for s in p.steps if not isinstance(s, Centre)]
         return p
     monkeypatch.setattr(exact, "plan", forgetful)
     monkeypatch.setattr(exact, "rehearse", lambda *a, **k: None)
+
+
+def test_a_failed_verification_leaves_the_model_as_it_was(uncentred):
     torch.manual_seed(0)
     model = perturbed(Tiny())
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -287,18 +282,7 @@ def test_norms_that_can_convert_do_when_a_later_stage_cannot():
     assert worst(model, others, refs) < 1e-5
 
 
-def test_a_failed_verification_under_auto_converts_naively_from_the_original(monkeypatch):
-    from normswap.surgery import exact
-    from normswap.surgery.steps import Centre
-
-    real = exact.plan
-
-    def forgetful(model, sites, inputs=None, examples=None, **kw):
-        p = real(model, sites, inputs, examples, **kw)
-        p.steps = [s for s in p.steps if not isinstance(s, Centre)]
-        return p
-    monkeypatch.setattr(exact, "plan", forgetful)
-    monkeypatch.setattr(exact, "rehearse", lambda *a, **k: None)
+def test_a_failed_verification_under_auto_converts_naively_from_the_original(uncentred):
     torch.manual_seed(0)
     model = perturbed(Tiny())
     weights = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith(("ln1", "ln_f"))}
