@@ -169,8 +169,8 @@ def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> Metho
         if not left:   # every norm would stay: the first cause is the model's
             raise NotExact(first)
         p = steps.plan(model, left)
-    if p.refusal:
-        raise NotExact(first)
+    if p.refusal:   # a model-wide reason blocks what keeping norms would allow (post-LN aside): the cause to name
+        raise NotExact(p.reasons[0] if p.reasons and first.cause is not Cause.POST_LN else first)
     sites = left
     try:
         result = steps.apply(model, sites, p)

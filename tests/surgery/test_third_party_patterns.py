@@ -338,3 +338,24 @@ def test_a_vit_over_patches_converts_with_its_pixel_norm():   # the model's inpu
 def test_parameters_only_an_uncalled_forward_reads_do_not_block_an_mae():
     err, report = exact_on_others(MAE(), patches(2, 4), [patches(3, 6)])
     assert err < 1e-5 and report.num_converted == 3 and not report.skipped
+
+
+class MaskedMAE(MAE):
+    """Pixels through a non-linearity first (the pixel norm stays LayerNorm), and a mask token only some inputs
+    run: the mask token is what blocks the conversion, not the pixel norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.randn(D))
+
+    def forward(self, patches, mask=None):
+        x = self.encoder.proj(self.encoder.patch_norm(patches.tanh()))
+        if mask is not None:
+            x = torch.where(mask[..., None], self.mask_token, x)
+        return self.to_pixels(self.encoder.ln_f(self.encoder.blocks(x)))
+
+
+def test_a_parameter_no_sample_ran_is_named_before_a_norm_that_could_stay():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(MaskedMAE()), method="exact", example_inputs=patches(2, 4))
+    assert e.value.cause is Cause.UNRUN and e.value.refusal.modules == ("mask_token",)
