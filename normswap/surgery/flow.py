@@ -27,6 +27,7 @@ class Flow:
     codes: torch.Tensor | None = None      # mapped: per element, see SHIFT
     parts: tuple = ()                      # mapped: (labels, width) per part
     plain: bool = True                     # elements moved only (a norm's bias still passes unchanged)
+    carried: frozenset = frozenset()       # opaque: labels summed in whose per-row shift it carries unchanged
 
     @property
     def pure(self) -> bool:
@@ -40,8 +41,8 @@ class Flow:
 ZERO = Flow(frozenset(), plain=False)
 
 
-def opaque(labels: frozenset, why: str) -> Flow:
-    return Flow(labels, why, None)
+def opaque(labels: frozenset, why: str, carried: frozenset = frozenset()) -> Flow:
+    return Flow(labels, why, None, carried=carried)
 
 
 def codes_of(x: torch.Tensor, f: Flow, first: int) -> tuple[torch.Tensor, list]:

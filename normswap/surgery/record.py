@@ -15,11 +15,9 @@ from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
 from normswap.surgery.flow import OTHER, ZERO, Flow, NormInput, Trace, channel_dim, channels_read, norm_input, opaque
 from normswap.surgery.labels import Label, User
+from normswap.surgery.rules import IGNORE
 from normswap.surgery.tensormap import TensorMap
 
-# Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
-IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
-          "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
 MHA = "multi_head_attention_forward"
 
 
@@ -52,11 +50,7 @@ class Recorder(TorchFunctionMode):
         if not x.is_floating_point():
             return None
         held = self.flows.get(x)
-        if held is not None:
-            return held
-        if id(x) in self.labels:
-            return Flow(frozenset({self.labels[id(x)]}))
-        return None
+        return held if held is not None else Flow(frozenset({self.labels[id(x)]})) if id(x) in self.labels else None
 
     def set(self, x: torch.Tensor, flow: Flow) -> None:
         self.flows.set(x, flow, strong=id(x) in self.params)
@@ -71,7 +65,12 @@ class Recorder(TorchFunctionMode):
     def use(self, x: torch.Tensor | None, flow: Flow, user: User) -> None:
         """`user` reads the values of x (flow `flow`): record which labels, all channels; for a rearranged
         tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
-        if not flow.pure or flow.zero:
+        if not flow.pure:   # an opaque sum: the labels whose shift it carries are read now (`rules.carried`)
+            for label in flow.carried:
+                self.trace.uses[label][user] = None
+                self.trace.poison.setdefault(user, flow.opaque)
+            return
+        if flow.zero:
             return
         if flow.codes is not None:   # the channels each part gave, now: its per-element codes are not held
             self.deferred.append((user, flow.labels, flow.parts, channels_read(flow)))
@@ -137,13 +136,14 @@ class Recorder(TorchFunctionMode):
         flows = self.rule(func, name, args, kwargs, tracked, outs, ins)
         if isinstance(flows, (str, Flow)):   # opaque: the pure inputs are used here
             user = User("operation", name, where=self.here())
-            if isinstance(flows, Flow):   # mixed with an opaque value: that value is the cause
+            carried = None if self.rotating else rules.carried(name, flows, tracked, outs)
+            if isinstance(flows, Flow) and carried is None:   # mixed with an opaque value: that value is the cause
                 self.trace.poison[user] = flows.opaque
-            for x, f in tracked:
+            for x, f in tracked if carried is None else ():
                 self.use(x, f, user)
             labels = frozenset().union(*(f.labels for _, f in tracked))
             why = flows + self.where() if isinstance(flows, str) else flows.opaque   # an opaque input's cause
-            flows = [opaque(labels, why)] * len(outs)
+            flows = [opaque(labels, why, carried or frozenset())] * len(outs)
         for o, f in zip(outs, flows):   # no flows: the output is not followed
             if o.is_floating_point():
                 self.set(o, f)
@@ -194,7 +194,7 @@ class Recorder(TorchFunctionMode):
 
     def rebuilt_in(self, values: list[torch.Tensor]) -> Flow | None:
         """An opaque value naming the first non-persistent buffer among `values` (unfollowed tensors summed or
-        moved with the stream), as the cause a refusal gives; None if there is none."""
+        moved with the stream), a refusal's cause; None if none."""
         name = next((self.rebuilt[id(x)] for x in values if id(x) in self.rebuilt), None)
         return name and opaque(frozenset(), f"the buffer {name} (not persistent: the model rebuilds it)")
 
@@ -258,23 +258,19 @@ class Recorder(TorchFunctionMode):
         return label if k == -1 else Label("param", label.name, k)
 
     def _layer_norm(self, args, kwargs, out: torch.Tensor) -> bool:
-        """F.layer_norm over the hidden dim of a pure, intact value that holds no norm's output: it removes each
-        row's mean, so centring the row's writers changes nothing it gives (a tolerant read, not a use; `plan`
-        keeps such rows centred whole). Its output is a new opaque value. False: an ordinary operation."""
+        """F.layer_norm of whole rows (`rules.whole_rows`) ignores their writers' centring: a tolerant read, not a
+        use (`plan` centres such rows whole); its output a new opaque value. False: an ordinary operation."""
         x = args[0] if args else kwargs.get("input")
-        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
         flow = self.get(x) if isinstance(x, torch.Tensor) else None
-        if self.rotating or flow is None or not flow.pure or flow.zero or flow.codes is not None or flow.hd != -1 or \
-                list(shape or ()) != [x.shape[-1]] or any(label.kind == "norm" for label in flow.labels):
-            return False   # a norm's output read so still needs its bias; a rotation changes what it gives: a use
+        if self.rotating or not rules.whole_rows(args, kwargs, x, flow):   # a rotation changes what it gives
+            return False
         for label in flow.labels:
             self.trace.tolerant[label].add(x.shape[-1])
         self.set(out, opaque(frozenset(), "layer_norm" + self.where()))
         return True
 
     def _mha(self, args, kwargs, tracked, outs) -> None:
-        """F.multi_head_attention_forward: the attention output is its out_proj's output (a Linear); the
-        query, key and value are read (used)."""
+        """F.multi_head_attention_forward: its output is its out_proj's (a Linear); query, key, value are used."""
         for x, f in tracked:
             self.use(x, f, User("attention", where=self.here()))
         weight = kwargs.get("out_proj_weight", args[11] if len(args) > 11 else None)
@@ -297,6 +293,8 @@ class Recorder(TorchFunctionMode):
         flow = self.get(x) if isinstance(x, torch.Tensor) else None
         given = flow is None and isinstance(x, torch.Tensor) and id(x) in self.given
         if self.inside is None and (given or flow is not None and flow.opaque) and x.dim() > 1:
+            if flow is not None:   # the block reads what the opaque sum carries
+                self.use(x, flow, User("module", name, type(self.model.get_submodule(name)).__name__))
             self.set(x, Flow(frozenset({Label("entry", name)})))
             self.trace.widths[Label("entry", name)] = x.shape[-1]
 
@@ -318,6 +316,8 @@ class Recorder(TorchFunctionMode):
             reader = not rows_centred(x, next(module.parameters(), x).dtype)
             self.inside = None
         if name in self.norms and not reader:
+            if flow is not None and flow.carried and norm_kind(module) == "rmsnorm":   # not blind to a shift
+                self.use(x, flow, User("module", name, type(module).__name__))
             self._norm_input(name, x, flow)
         elif name not in self.norms and x is not None and is_scale(module):
             # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C)
@@ -349,8 +349,8 @@ class Recorder(TorchFunctionMode):
     def _norm_input(self, name: str, x, flow: Flow | None) -> None:
         if flow is None:
             call = NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
-        elif not flow.pure:
-            call = NormInput({label: frozenset() for label in flow.labels}, flow.opaque)
+        elif not flow.pure:   # the labels it carries shift whole rows, which a LayerNorm ignores: not held back
+            call = NormInput({label: frozenset() for label in flow.labels - flow.carried}, flow.opaque)
         elif flow.zero:
             call = NormInput({})
         elif flow.codes is None and flow.hd != -1:
@@ -365,7 +365,7 @@ class Recorder(TorchFunctionMode):
             for labels, w in flow.parts:
                 for label in labels:
                     self.trace.widths.setdefault(label, w)
-        for label in call.sources:
+        for label in [*call.sources, *(flow.carried if flow is not None else ())]:
             self.trace.fed_norms[label].add(name)
         self.trace.calls[name].append(call)
 
@@ -392,6 +392,6 @@ class Recorder(TorchFunctionMode):
                 continue
             self.read(t)
             flow = self.get(t)
-            if flow is None or not flow.pure or flow.zero:
+            if flow is None or flow.zero:
                 continue
             self.use(t, flow, User("output", "" if t is main else name))

@@ -24,6 +24,9 @@ import torch
 
 from normswap.surgery.flow import ZERO, Flow, canonical, codes_of
 
+# Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
+IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
+          "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
 IDENTITY = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "detach", "contiguous", "clone",
             "requires_grad_", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
             "feature_alpha_dropout", "__get__.data"}
@@ -337,3 +340,25 @@ def overflow_guard(args, kwargs) -> bool:
     big = torch.finfo(x.dtype).max / 2
     return all(b is None or isinstance(b, (int, float)) and abs(b) >= big for b in (lo, hi)) and \
         (lo is None or lo < 0) and (hi is None or hi > 0)
+
+
+def carried(name: str, dark, tracked: list, outs: list) -> frozenset | None:
+    """The labels whose per-row shift (along the last dim) an opaque sum carries unchanged, for their use to
+    wait until it is read: a LayerNorm reading it is blind to that shift (one kept: attention without an output
+    projection, x + softmax(q k) v); anything else reading it uses them then. None: used now (any other
+    operation, a value laid out otherwise)."""
+    if not isinstance(dark, Flow) or len(outs) != 1 or name not in SUM and name not in IDENTITY:
+        return None
+    out = outs[0]
+    if out.dim() == 0 or any(f.pure and not f.zero and (f.codes is not None or f.hd != -1 or
+                                                        x.shape[-1] != out.shape[-1]) for x, f in tracked):
+        return None
+    return frozenset().union(*(f.labels if f.pure else f.carried for _, f in tracked))
+
+
+def whole_rows(args, kwargs, x, flow: Flow | None) -> bool:
+    """F.layer_norm over the last dim of a pure, intact value that holds no norm's output (one read so still
+    needs its bias)."""
+    shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+    return flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == -1 and \
+        list(shape or ()) == [x.shape[-1]] and not any(label.kind == "norm" for label in flow.labels)

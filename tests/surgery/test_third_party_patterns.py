@@ -359,3 +359,36 @@ def test_a_parameter_no_sample_ran_is_named_before_a_norm_that_could_stay():
     with pytest.raises(NotExact) as e:
         normswap.convert(perturbed(MaskedMAE()), method="exact", example_inputs=patches(2, 4))
     assert e.value.cause is Cause.UNRUN and e.value.refusal.modules == ("mask_token",)
+
+
+class NoOutProjection(Tiny):
+    """A later block whose attention has no output projection: it writes a slice of to_qkv, mixed by attention
+    weights (no weight edit centres it), so the final norm stays a LayerNorm; the norms before it convert."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln2, self.to_qkv = nn.LayerNorm(D), nn.Linear(D, 3 * D, bias=False)
+
+    def block(self, x):
+        x = x + self.fc(self.ln1(x))
+        q, k, v = self.to_qkv(self.ln2(x)).chunk(3, -1)
+        return x + torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+
+def test_norms_before_an_attention_without_output_projection_convert():
+    err, report = exact_on_others(NoOutProjection(), ids(2, 5), [ids(3, 7), ids(1, 3)])
+    assert err < 1e-5 and {r.name for r in report.converted} == {"ln1", "ln2"}
+    assert [(s.name, s.refusal.cause) for s in report.skipped] == [("ln_f", Cause.OPAQUE)]
+
+
+class RawAfterAttention(NoOutProjection):
+    """The same, but the head reads the stream after the attention unnormalised: nothing can convert."""
+
+    def head_of(self, x):
+        return self.head(x)
+
+
+def test_a_layer_reading_an_opaque_sum_uses_what_it_carries():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(RawAfterAttention()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.MIXED and e.value.refusal.modules == ("emb", "ln1")   # read by head, mixed
