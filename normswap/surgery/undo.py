@@ -2,15 +2,17 @@
 converted model that fails verification is the caller's model again (no copy of the model is made).
 
 What a plan edits, per module it names (`steps`): its own parameters and buffers (values written in place, a
-bias created), its hooks and `normswap_*` attributes (the output and input fixes); the norms swapped; the model's
-normswap section. `Undo.restore` writes the kept values back into the same tensor objects (references the caller
-holds, an optimizer's, stay valid), drops what was created and puts every swapped norm back.
+bias created), its hooks and `normswap_*` attributes (the output and input fixes); the norms swapped; torch's
+fused-encoder flags (`norms.off_fast_path`); the model's normswap section. `Undo.restore` writes the kept values
+back into the same tensor objects (references the caller holds, an optimizer's, stay valid), drops what was
+created and puts every swapped norm back.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from normswap.folder.attached import clear_section, section, set_section
+from normswap.norms import fast_path_flags
 from normswap.surgery.steps import Centre, Fix, Fold, Scale, Step
 from normswap.surgery.walk import NormSite, replace_module
 
@@ -39,12 +41,15 @@ class Undo:
         self.sites = list(sites)
         self.section = section(model)
         self.modules = {name: _kept(model.get_submodule(name)) for name in sorted(edited(steps))}
+        self.flags = fast_path_flags(model)   # the swap turns torch's fused encoder path off
 
     def restore(self, model: nn.Module) -> None:
         for site in self.sites:
             replace_module(model, site.name, site.module)
         for name, kept in self.modules.items():
             _put_back(model.get_submodule(name), kept)
+        for module, attr, value in self.flags:
+            setattr(module, attr, value)
         if self.section is None:
             clear_section(model)
         else:

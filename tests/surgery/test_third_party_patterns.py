@@ -392,3 +392,12 @@ def test_a_layer_reading_an_opaque_sum_uses_what_it_carries():
     with pytest.raises(NotExact) as e:
         normswap.convert(perturbed(RawAfterAttention()), method="exact", example_inputs=ids(2, 5))
     assert e.value.cause is Cause.MIXED and e.value.refusal.modules == ("emb", "ln1")   # read by head, mixed
+
+
+def test_a_failed_verification_puts_an_encoder_back_on_its_fused_path(uncentred):
+    layer = nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    model = perturbed(nn.TransformerEncoder(layer, 1, norm=nn.LayerNorm(D), enable_nested_tensor=False))
+    flags = [(m.activation_relu_or_gelu, m.norm1) for m in model.layers] + [model.use_nested_tensor]
+    with pytest.raises(NotExact):
+        normswap.convert(model, method="exact", example_inputs=torch.randn(2, 5, D))
+    assert [(m.activation_relu_or_gelu, m.norm1) for m in model.layers] + [model.use_nested_tensor] == flags
