@@ -49,7 +49,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -630,7 +630,7 @@ def markdown(res: dict) -> str:
         lines += [f"### LayerNorm on-ramp: GPT-2-small-sized random model, outlier channel x{g['scale']:g}, "
                   f"{g['windows'][0]} windows x {g['windows'][1]} tokens ({g['total_s'] / 60:.0f} min)", ""]
         lines += _table(g["cells"], cols, "quantizer") + [""] + _cuts(g["cells"], cols[1:], cols[0]) + [""]
-        lines += [f"fp32 logits rel to the original: " + ", ".join(
+        lines += ["fp32 logits rel to the original: " + ", ".join(
             f"{c} {v['rel']:.1e}" for c, v in g["columns"].items() if "rel" in v), "",
             "Stream per layer: max|x|/RMS over the tensor (mean over tokens of max|x|/RMS per token, kurtosis):", "",
             "| layer | " + " | ".join(g["outliers"]) + " |", "|---|" + "---|" * len(g["outliers"])]

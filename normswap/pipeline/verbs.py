@@ -107,8 +107,9 @@ def _heal_path(src: PathLike, out: PathLike | None = None, options: HealCheckpoi
 
 def rotate(model: nn.Module | PathLike, out: PathLike | None = None, options: RotateOptions | None = None,
            **keywords) -> RotationReport | RotateResult:
-    """Rotate the residual streams of an exactly converted model for quantization, verified: `model` in place (a
-    RotationReport), or the model at the path `model` saved to `out` (a RotateResult; `normswap rotate`).
+    """Rotate the residual streams of a model converted exactly (or RMSNorm already: Llama, Qwen, Mistral,
+    Gemma...) for quantization, verified: `model` in place (a RotationReport), or the model at the path `model`
+    saved to `out` (a RotateResult; `normswap rotate`).
 
     options: a RotateOptions, or its fields as keywords: method ("hadamard" | "random"), seed, example_inputs;
     for a path also dtype, device, overwrite, max_shard_size.

@@ -18,6 +18,11 @@ report lists it; the folder then stores both). A tied embedding centred at looku
 fix gets the centring moved into its (untied) weights. Arithmetic in float64, stored in the model's dtype;
 the rotated model is verified against its outputs before the edits, on the sample (and example) inputs, as
 `convert` verifies; a failure leaves the model edited (discard it).
+
+A model that is RMSNorm already (Llama, Qwen, Mistral, Gemma's 1 + w, Phi-3...) rotates the same way: its norms
+are found by what they compute (`streams.check_norms`), whatever library defines them, and their gains are set to
+ones where they are stored (a Gemma norm's w to 0). Such a model needs no output fix, so it stays an instance of
+its own class: saved, it is its original architecture with other weights (`models.save`).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, ou
 from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.orthogonal import METHODS, rotation
 from normswap.surgery.steps import Param
-from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
+from normswap.surgery.streams import NotRotatable, Gain, Stream, Streams, Writer, check_norms, find_streams
 from normswap.surgery.trace import ForwardFailed, trace
 from normswap.surgery.trainable import kept_trainable
 
@@ -52,6 +57,7 @@ class RotationReport:
     added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
     unrotated: dict[str, str] = field(default_factory=dict)   # norm -> what stays unrotated (a d x d matmul)
     not_preserved: dict[str, str] = field(default_factory=dict)
+    inner: list[str] = field(default_factory=list)   # per-head norms inside blocks (Qwen3's q/k norms), left as is
     verification: dict | None = None
 
     def to_dict(self) -> dict:
@@ -69,6 +75,9 @@ class RotationReport:
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
         lines += [f"  unrotated: {name} ({why})" for name, why in self.unrotated.items()]
         lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
+        if self.inner:
+            lines.append(f"  left as they are: {len(self.inner)} per-head norms inside blocks ({self.inner[0]}, ...): "
+                         "no rotation of a stream reaches them")
         if self.verification:
             lines.append(f"  parity vs before: max relative error {self.verification['max_rel']:.3e} "
                          f"(tolerance {self.verification['tolerance']:g})")
@@ -91,18 +100,19 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"`seed` must be an int, not {type(seed).__name__}")
     check_examples(example_inputs)
-    norms = check_norms(model)
+    gains = check_norms(model)
     try:
         inputs = model_inputs(model, example_inputs)
     except NoInputs as e:
         raise NotRotatable(f"no sample input to trace it ({first_line(e, strip=True)})") from None
     try:
-        t = trace(model, inputs, set(norms), rotating=True)
+        t = trace(model, inputs, set(gains), rotating=True)
     except ForwardFailed as e:   # the model's forward failed: say so instead of a traceback
         raise NotRotatable(f"tracing failed: {e}") from None
-    found = find_streams(model, t, norms)
+    found = find_streams(model, t, gains)
+    _check_fixes(model, found)
     reference = verification.reference(model, found.not_preserved, example_inputs)
-    report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
+    report = RotationReport(method, seed, not_preserved=dict(found.not_preserved), inner=found.inner)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
                                                  "returned rotated (and centred)")
@@ -111,13 +121,26 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
         for i, s in enumerate(found.streams):
             q, what = rotation(s.width, method, seed + i)
-            _rotate_stream(model, s, q)
+            _rotate_stream(model, s, q, found)
             report.streams.append({"width": s.width, "q": what, "norms": s.norms,
                                    "writers": [str(w.target) for w in s.writers], "readers": sorted(s.readers)})
             report.unrotated.update(_unrotated(s))
     _record(model, report, found)
     report.verification = _verify(reference, model)
     return report
+
+
+def _check_fixes(model: nn.Module, found: Streams) -> None:
+    """A model normswap has not converted (no section: saved as its own architecture) has no place for an output
+    fix's matrix: NotRotatable naming the first norm that would need one."""
+    if section(model) is not None:
+        return
+    for s in found.streams:
+        needs = [*(f"{n}'s output is read by {who}" for n, who in s.kept.items()),
+                 *(f"{w.target.name} writes the stream" for w in s.writers if w.norm or w.entry)]
+        if needs:
+            raise NotRotatable(f"{needs[0]}: its rotation needs a {s.width} x {s.width} matrix after it, which only a "
+                               "model normswap converted stores (its own architecture has no place for it)")
 
 
 def _verify(reference, model: nn.Module) -> dict:
@@ -216,13 +239,13 @@ def _unrotated(s: Stream) -> dict[str, str]:
 
 
 @torch.no_grad()
-def _matrix_fix(model: nn.Module, name: str, width: int, r_in: torch.Tensor | None = None,
+def _matrix_fix(model: nn.Module, name: str, g: Gain, r_in: torch.Tensor | None = None,
                 r_out: torch.Tensor | None = None) -> None:
     """Norm `name` returns what it did (times r_out): its gain, centring and matrix M0 (a rotation before) moved
     into an output fix's matrix M = r_inᵀ·diag(g)·C·M0·r_out (r_in: the rotation of what it reads, r_out: of what
     it writes; None: none), its kept bias b into b·r_out, its gain set to 1."""
     norm = model.get_submodule(name)
-    m = torch.diag(gain(norm, width))
+    m = torch.diag(g.value)
     if getattr(norm, "normswap_centre", False):
         m = m - m.mean(1, keepdim=True)   # diag(g)·C, C = I - 11ᵀ/d: centring is linear
     before = getattr(norm, "normswap_matrix", None)
@@ -239,18 +262,17 @@ def _matrix_fix(model: nn.Module, name: str, width: int, r_in: torch.Tensor | No
         norm.normswap_matrix = nn.Parameter(m)
         if bias is not None and r_out is not None:
             bias.copy_((bias.double() @ r_out.to(bias.device)).to(bias.dtype))
-    if weight is not None:
-        weight.fill_(1.0)
+    g.to_ones(norm)
 
 
 @torch.no_grad()
-def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
+def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor, found: Streams) -> None:
     for n in s.kept:   # before its gain is set to 1 below
-        _matrix_fix(model, n, s.width, r_in=q)
+        _matrix_fix(model, n, found.gains[n], r_in=q)
     done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
     for w in s.writers:
         if w.norm:
-            _matrix_fix(model, w.target.name, s.width, r_out=q)
+            _matrix_fix(model, w.target.name, found.gains[w.target.name], r_out=q)
         elif w.entry:   # its input fix centres the value entering the stream, then multiplies it by M <- M·Q
             block = model.get_submodule(w.target.name)
             m = getattr(block, "normswap_input_matrix", None)
@@ -265,14 +287,12 @@ def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
         if id(layer.weight) in done:
             continue
         done.add(id(layer.weight))
-        g = gain(model.get_submodule(norm), s.width).to(layer.weight.device)
+        g = found.gains[norm].value.to(layer.weight.device)
         dim = 1 - output_dim(layer)   # the input dim: Linear (out, in), Conv1D (in, out)
         w = layer.weight.double().movedim(dim, -1) * g
         layer.weight.copy_((w @ q.to(w.device)).movedim(-1, dim).to(layer.weight.dtype))
     for n in s.norms:
-        weight = getattr(model.get_submodule(n), "weight", None)
-        if weight is not None:
-            weight.fill_(1.0)
+        found.gains[n].to_ones(model.get_submodule(n))
 
 
 def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:

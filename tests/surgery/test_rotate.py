@@ -244,13 +244,6 @@ def test_refuses_a_layer_reading_the_raw_stream():
         rotate(RawReader(), example_inputs=torch.randint(0, 11, (2, 5)))
 
 
-def test_refuses_a_norm_of_another_library():
-    config = tf.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, max_position_embeddings=32)
-    with pytest.raises(NotRotatable, match=r"input_layernorm \(LlamaRMSNorm\) is an RMSNorm normswap"):
-        rotate(tf.LlamaForCausalLM(config))
-
-
 def test_refuses_bad_arguments_in_one_line():
     with pytest.raises(NormswapError, match="unknown rotation method 'givens'"):
         rotate(RawReader(), method="givens")

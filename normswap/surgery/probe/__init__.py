@@ -18,7 +18,7 @@ from torch import nn
 from normswap.surgery.probe import confirm, estimate, snap
 from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm
 
-__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "probe"]
+__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "ProbedRMS", "probe", "probe_rms"]
 
 
 @dataclass
@@ -35,3 +35,28 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     gain, b, eps = snap.snap(module, est)
     confirm.confirm(est, gain, b, eps, g)
     return Probed(gain.to(est.device), None if b is None else b.to(est.device), float(eps))
+
+
+@dataclass
+class ProbedRMS:
+    """An RMSNorm's effective gain (float64, on the CPU) and where it lives: gain = the module's own parameter
+    `param` + `offset` (Gemma's 1 + w: offset 1); `param` None: no parameter (a gain of ones)."""
+    gain: torch.Tensor
+    eps: float
+    param: str | None
+    offset: float
+
+
+def probe_rms(module: nn.Module, width: int, seed: int = 0) -> ProbedRMS:
+    """What `module` computes if it is an RMSNorm over the last dim of `width`, x * rsqrt(mean(x²) + eps) * g (no
+    mean subtracted, no bias), whatever its class; `NotLayerNorm` (why) where it is not one."""
+    g = torch.Generator().manual_seed(seed)
+    est = estimate.estimate(module, width, g)
+    gain, b, eps = snap.snap(module, est)
+    if b is not None:
+        raise NotLayerNorm("adds a bias after normalising: not an RMSNorm")
+    confirm.confirm(est, gain, None, eps, g, centred=False)
+    used, offset = snap.own_gain(module, gain, est.tol) or (None, 0.0)
+    if used is None and not bool((gain == 1).all()):
+        raise NotLayerNorm("its gain is none of its parameters (nor one plus one): it cannot be set to ones")
+    return ProbedRMS(gain.cpu(), float(eps), used, offset)
