@@ -115,7 +115,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved), inner=found.inner)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
-                                                 "returned rotated (and centred)")
+                                                 "returned rotated" + (" (and centred)" if section(model) else ""))
     with kept_trainable(model):   # new matrices and biases train where what they are added to did
         report.untied = _untie(model, found)
         report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
@@ -296,17 +296,21 @@ def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor, found: Streams)
 
 
 def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
-    """The section says the model is rotated (and no longer centres what the rotation moved into weights)."""
+    """The section says the model is rotated (and no longer centres what the rotation moved into weights). A
+    model without one (RMSNorm already) stays its own architecture: its config's `normswap_rotations`, which
+    transformers keeps as an attribute and computes nothing from, says what was done."""
+    entry = {"method": report.method, "seed": report.seed, "widths": [s["width"] for s in report.streams],
+             "untied": report.untied, "unrotated": sorted(report.unrotated)}
     record = section(model)
     if record is None:
+        if has_config(model):
+            model.config.normswap_rotations = [*getattr(model.config, "normswap_rotations", []), entry]
         return
     moved = {w.target.name for s in found.streams for w in s.writers if w.centre} | \
         {n for s in found.streams for n in s.biased}   # now in the weights
     fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
     fixes.update({n: describe_fix(model.get_submodule(n)) for n in report.unrotated})   # their matrices
-    rotations = record.get("rotations", []) + [{"method": report.method, "seed": report.seed,
-                                                "widths": [s["width"] for s in report.streams],
-                                                "untied": report.untied, "unrotated": sorted(report.unrotated)}]
+    rotations = record.get("rotations", []) + [entry]
     new = {**record, "output_fixes": fixes, "rotations": rotations,
            "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}
     if report.not_preserved:
