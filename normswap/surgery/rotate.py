@@ -39,7 +39,8 @@ from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.centring import add_output_fix, describe_fix
-from normswap.surgery.orthogonal import METHODS, rotation
+from normswap.surgery.heads import find_pairs, head_width, rotate_heads
+from normswap.surgery.orthogonal import METHODS, rotation, times
 from normswap.surgery.steps import Param
 from normswap.surgery.streams import NotRotatable, Gain, Stream, Streams, Writer, check_norms, find_streams
 from normswap.surgery.trace import ForwardFailed, trace
@@ -58,6 +59,7 @@ class RotationReport:
     unrotated: dict[str, str] = field(default_factory=dict)   # norm -> what stays unrotated (a d x d matmul)
     not_preserved: dict[str, str] = field(default_factory=dict)
     inner: list[str] = field(default_factory=list)   # per-head norms inside blocks (Qwen3's q/k norms), left as is
+    heads: dict | None = None   # the per-head rotation (R2): {width, q, pairs: [values layer, output layer]}
     verification: dict | None = None
 
     def to_dict(self) -> dict:
@@ -70,6 +72,9 @@ class RotationReport:
         lines = [f"rotated {len(self.streams)} stream(s) ({self.method}, seed {self.seed}):"]
         lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
                   f"{len(s['readers'])} readers" for s in self.streams]
+        if self.heads:
+            lines.append(f"  per head (width {self.heads['width']}, {self.heads['q']}): values and output of "
+                         f"{len(self.heads['pairs'])} attention(s) ({self.heads['pairs'][0][0]}, ...)")
         lines += [f"  untied {name} (a tie the config no longer makes: the LM head reads the rotated stream)"
                   for name in self.untied]
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
@@ -84,12 +89,14 @@ class RotationReport:
         return "\n".join(lines)
 
 
-def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None) -> RotationReport:
+def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None,
+           heads: bool = False) -> RotationReport:
     """Rotate every residual stream of an exactly converted `model` in place (see the module docstring).
 
     method: "hadamard" (a randomised Hadamard matrix, or a random orthogonal one where the width has no known
     Hadamard matrix) or "random" (a random orthogonal matrix); `seed` draws the signs or the matrix (stream i
-    uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). Refuses,
+    uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). heads: also
+    rotate each attention head's values and the layer reading them back (QuaRot's R2, `heads`). Refuses,
     naming the part, what cannot be rotated exactly (`streams`), before any edit.
     """
     if not isinstance(model, nn.Module):
@@ -99,6 +106,8 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         raise NormswapError(f"unknown rotation method '{method}': choose hadamard or random")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"`seed` must be an int, not {type(seed).__name__}")
+    if not isinstance(heads, bool):
+        raise NormswapError(f"`heads` must be a bool, not {type(heads).__name__}")
     check_examples(example_inputs)
     gains = check_norms(model)
     try:
@@ -111,12 +120,19 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         raise NotRotatable(f"tracing failed: {e}") from None
     found = find_streams(model, t, gains)
     _check_fixes(model, found)
+    pairs, per_head = _head_pairs(model, found, inputs[0], method, seed) if heads else ([], None)
+    found.not_preserved.update({f"cache.{i}": "the attention's cache, its values (and keys, where one layer makes "
+                                "queries, keys and values: GPT-2's c_attn) stored rotated per head; read back rotated: "
+                                "generation unchanged" for i in range(len(pairs))})
     reference = verification.reference(model, found.not_preserved, example_inputs)
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved), inner=found.inner)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
                                                  "returned rotated" + (" (and centred)" if section(model) else ""))
     with kept_trainable(model):   # new matrices and biases train where what they are added to did
+        if per_head is not None:
+            rotate_heads(model, pairs, per_head[0])
+            report.heads = {"width": per_head[0].shape[0], "q": per_head[1], "pairs": [list(p) for p in pairs]}
         report.untied = _untie(model, found)
         report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
         for i, s in enumerate(found.streams):
@@ -128,6 +144,16 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     _record(model, report, found)
     report.verification = _verify(reference, model)
     return report
+
+
+def _head_pairs(model: nn.Module, found: Streams, batch: dict, method: str, seed: int):
+    """(the attention value/output pairs, (R, what it is)) for the per-head rotation; NotRotatable where none."""
+    r, what = rotation(head_width(model), method, seed)
+    pairs = find_pairs(model, found, batch, r)
+    if not pairs:
+        raise NotRotatable(f"no attention found to rotate per head (heads of width {r.shape[0]}): no layer reading a "
+                           "stream whose output, rotated per head, reaches a stream writer's input rotated alike")
+    return pairs, (r, what)
 
 
 def _check_fixes(model: nn.Module, found: Streams) -> None:
@@ -191,18 +217,13 @@ def _untie_shared(model: nn.Module) -> list[str]:
     return names
 
 
-def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
-    """t with its dim `dim` multiplied by q (x -> xQ along that dim), in float64."""
-    return (t.double().movedim(dim, -1) @ q).movedim(-1, dim)
-
-
 @torch.no_grad()
 def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int]) -> None:
     if isinstance(w.target, Param):
         p, axis = named_tensor(model, w.target.name), w.target.axis
         if id(p) not in done:
             done.add(id(p))
-            p.copy_(_times_q(p, p.dim() + axis if axis < 0 else axis, q.to(p.device)).to(p.dtype))
+            p.copy_(times(p, p.dim() + axis if axis < 0 else axis, q.to(p.device)).to(p.dtype))
         return
     layer = model.get_submodule(w.target.name)
     if w.centre:   # the conversion's output fix (a tied embedding centred at lookup), moved into the weights
@@ -212,7 +233,7 @@ def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int])
     for p in _weights(model, w.target.name):
         if id(p) not in done:
             done.add(id(p))
-            p.copy_(_times_q(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
+            p.copy_(times(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
 
 
 @torch.no_grad()
@@ -300,7 +321,8 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     model without one (RMSNorm already) stays its own architecture: its config's `normswap_rotations`, which
     transformers keeps as an attribute and computes nothing from, says what was done."""
     entry = {"method": report.method, "seed": report.seed, "widths": [s["width"] for s in report.streams],
-             "untied": report.untied, "unrotated": sorted(report.unrotated)}
+             "untied": report.untied, "unrotated": sorted(report.unrotated),
+             **({"heads": report.heads["width"]} if report.heads else {})}
     record = section(model)
     if record is None:
         if has_config(model):

@@ -36,7 +36,7 @@ def llama(tmp_path):
 
 def test_a_rotated_llama_folder_loads_in_plain_transformers_with_its_own_class(llama, tmp_path):
     original, src = llama
-    result = normswap.rotate(src, tmp_path / "rotated", seed=3)
+    result = normswap.rotate(src, tmp_path / "rotated", seed=3, heads=True)   # QuaRot's R1 and R2
     out = tmp_path / "rotated"
     assert result.report.untied == ["lm_head.weight"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -44,7 +44,7 @@ def test_a_rotated_llama_folder_loads_in_plain_transformers_with_its_own_class(l
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
     assert "auto_map" not in config and "normswap" not in config   # nothing for transformers to run but its own
     assert config["normswap_rotations"] == [{"method": "hadamard", "seed": 3, "widths": [32],
-                                             "untied": ["lm_head.weight"], "unrotated": []}]
+                                             "untied": ["lm_head.weight"], "unrotated": [], "heads": 8}]
     model = tf.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model) is tf.LlamaForCausalLM
     ids = torch.randint(3, 61, (2, 13), generator=torch.Generator().manual_seed(5))
@@ -65,7 +65,7 @@ def test_a_rotated_llama_folder_loads_in_plain_transformers_with_its_own_class(l
 def test_a_rotated_llama_folder_loads_where_normswap_cannot_be_imported(llama, tmp_path):
     original, src = llama
     out = tmp_path / "rotated"
-    normswap.rotate(src, out)
+    normswap.rotate(src, out, heads=True)
     ids = torch.randint(3, 61, (2, 13), generator=torch.Generator().manual_seed(5))
     torch.save([{"input_ids": ids}], tmp_path / "inputs.pt")
     results = plain_transformers(tmp_path, {str(out): str(tmp_path / "inputs.pt")})

@@ -127,3 +127,34 @@ def test_post_norm_and_sandwich_norm_models_are_refused_by_name():
     base = tf.LlamaModel(tf.LlamaConfig(**TINY)).eval()   # its final norm's output is the model's output
     with pytest.raises(NotRotatable, match=r"model.norm's output|^norm's output"):
         rotate(base)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma"])
+def test_per_head_rotations_of_values_and_output_are_exact(family):
+    """QuaRot's R2: each head's values rotated (v_proj's rows, and bias: Qwen2), undone by o_proj's columns;
+    grouped-query heads share the matrix; cached values are stored rotated and read back so: generation unchanged."""
+    model = tiny(family)
+    before = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    rotate(plain, seed=2)   # the stream alone: v_proj's rows differ from it once the heads are rotated too
+    report = rotate(model, seed=2, heads=True)
+    layers = range(TINY["num_hidden_layers"])
+    assert report.heads["width"] == 8 and report.heads["q"] == "randomised Hadamard"
+    assert report.heads["pairs"] == [[f"model.layers.{i}.self_attn.v_proj", f"model.layers.{i}.self_attn.o_proj"]
+                                     for i in layers]
+    for i in layers:
+        for proj in ("v_proj", "o_proj"):
+            new, old = (m.model.layers[i].self_attn.get_submodule(proj).weight for m in (model, plain))
+            assert (new - old).norm() > 0.3 * old.norm(), (i, proj)
+    assert "per head (width 8, randomised Hadamard)" in report.to_table()
+    ids = torch.randint(3, 61, (2, 15), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert rel(model(input_ids=ids).logits, before(input_ids=ids).logits) <= 1e-5
+        settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **settings), before.generate(ids, **settings))
+
+
+def test_per_head_rotation_is_refused_by_name_where_no_attention_pairs():
+    """Phi-3's fused qkv_proj: no layer's whole output is values, so none pairs with o_proj."""
+    with pytest.raises(NotRotatable, match=r"no attention found to rotate per head \(heads of width 8\)"):
+        rotate(tiny("phi3"), heads=True)
