@@ -6,8 +6,9 @@ The values' layer's rows become Kᵀ·W (its bias b·K), the reading layer's col
 
 Which layers pair is found by behaviour, not by name: each linear layer that reads a rotated stream and whose
 output is made of whole heads has its output multiplied by K in one forward (hooks, on the first sample batch);
-a stream writer whose input then is its recorded input times K, and after which the model's output is what it
-was (the hook undoes K there), is its pair. The head width h is the config's (head_dim, else hidden / heads).
+the first stream writer whose input that changes is its pair if that input is its recorded input times K. The
+head width h is the config's (head_dim, else hidden / heads). The rotation's verification (the model's outputs
+unchanged) then also covers any other reader of the values.
 """
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ from torch import nn
 
 from normswap.models.introspect import ALIASES, config_int, in_width, is_linear, out_width
 from normswap.models.modes import eval_mode
-from normswap.parity import main_output
 from normswap.surgery.algebra import output_dim
-from normswap.surgery.orthogonal import times
 from normswap.surgery.steps import Module
 from normswap.surgery.streams import NotRotatable, Streams
 
@@ -43,18 +42,20 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a.double() - b.double()).abs().max() <= TOL * max(b.double().abs().max().item(), 1e-30))
 
 
-def _blocks(r: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.block_diag(*[r] * (width // r.shape[0]))
+def per_head(x: torch.Tensor, r: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """x with its dim `dim` multiplied by K = I ⊗ r (each group of r's width times r), in x's dtype: K is never
+    built (an LM head's width would make it huge)."""
+    y = x.movedim(dim, -1)
+    return (y.unflatten(-1, (-1, r.shape[0])) @ r.to(x.device, x.dtype)).flatten(-2).movedim(-1, dim)
+
+
+class _Reached(Exception):
+    """Stops a forward at the first stream writer whose input a rotated layer changed."""
 
 
 @torch.no_grad()
 def find_pairs(model: nn.Module, found: Streams, batch: dict, r: torch.Tensor) -> list[tuple[str, str]]:
     """The (values, output) layer pairs (see the module docstring) for the h x h rotation `r`."""
-    with eval_mode(model):
-        return _pairs(model, found, batch, r)
-
-
-def _pairs(model: nn.Module, found: Streams, batch: dict, r: torch.Tensor) -> list[tuple[str, str]]:
     h = r.shape[0]
     layer = model.get_submodule
     values = sorted(v for v in {r_ for s in found.streams for r_ in s.readers}
@@ -65,51 +66,49 @@ def _pairs(model: nn.Module, found: Streams, batch: dict, r: torch.Tensor) -> li
     recorded: dict[str, torch.Tensor] = {}
 
     def record(name):
-        return lambda m, args: recorded.__setitem__(name, args[0].detach().clone())
-    handles = [layer(o).register_forward_pre_hook(record(o)) for o in outputs]
-    try:
-        want = main_output(model(**batch))[1].detach().clone()
-    finally:
-        for handle in handles:
-            handle.remove()
-    pairs = [(v, o) for v in values if (o := _pair(model, v, outputs, recorded, want, batch, r)) is not None]
+        return lambda m, args: recorded.setdefault(name, args[0].detach().clone())   # its first call's
+    with eval_mode(model):
+        _run(model, batch, [layer(o).register_forward_pre_hook(record(o)) for o in outputs])
+        pairs = [(v, o) for v in values if (o := _pair(model, v, outputs, recorded, batch, r)) is not None]
     return pairs
 
 
-def _pair(model: nn.Module, v: str, outputs: list[str], recorded: dict, want: torch.Tensor, batch: dict,
-          r: torch.Tensor) -> str | None:
-    """The stream writer whose input is its recorded value times K once `v`'s output is multiplied by K, the
-    model's output unchanged once that writer undoes it; None where there is none."""
-    hit: list[str] = []
-
-    def undo(name):
-        def hook(m, args):
-            k = _blocks(r, args[0].shape[-1]).to(args[0].device, args[0].dtype)
-            if not hit and name in recorded and _close(args[0], recorded[name] @ k):
-                hit.append(name)
-                return (args[0] @ k.T, *args[1:])
-        return hook
-    layer = model.get_submodule
-    k_v = _blocks(r, out_width(layer(v)))
-    handles = [layer(v).register_forward_hook(lambda m, a, out: out @ k_v.to(out.device, out.dtype))]
-    handles += [layer(o).register_forward_pre_hook(undo(o)) for o in outputs]
+def _run(model: nn.Module, batch: dict, handles: list) -> None:
     try:
-        got = main_output(model(**batch))[1]
+        model(**batch)
+    except _Reached:
+        pass
     finally:
         for handle in handles:
             handle.remove()
-    return hit[0] if hit and _close(got, want) else None
+
+
+def _pair(model: nn.Module, v: str, outputs: list[str], recorded: dict, batch: dict, r: torch.Tensor) -> str | None:
+    """The first stream writer whose input `v`'s output, multiplied by K, changes, if that input is its recorded
+    value times K; None otherwise. The forward stops there: whatever else reads `v`'s output, the verification
+    after the edits (the model's outputs unchanged) has the last word."""
+    hit: list[str] = []
+
+    def check(name):
+        def hook(m, args):
+            if name in recorded and not _close(args[0], recorded[name]):
+                hit.extend([name] if _close(args[0], per_head(recorded[name], r)) else [])
+                raise _Reached
+        return hook
+    layer = model.get_submodule
+    handles = [layer(v).register_forward_hook(lambda m, a, out: per_head(out, r))]
+    _run(model, batch, handles + [layer(o).register_forward_pre_hook(check(o)) for o in outputs])
+    return hit[0] if hit else None
 
 
 @torch.no_grad()
 def rotate_heads(model: nn.Module, pairs: list[tuple[str, str]], r: torch.Tensor) -> None:
     """Fold the per-head rotation `r` into each pair's weights (see the module docstring), in float64."""
+    r = r.double()
     for v, o in pairs:
         values, output = model.get_submodule(v), model.get_submodule(o)
         dim = output_dim(values)
-        k = _blocks(r, out_width(values)).to(values.weight.device)
         for p in (values.weight, values.bias):
             if p is not None:
-                p.copy_(times(p, dim if p is values.weight else 0, k).to(p.dtype))
-        k = _blocks(r, in_width(output)).to(output.weight.device)
-        output.weight.copy_(times(output.weight, 1 - output_dim(output), k).to(output.weight.dtype))
+                p.copy_(per_head(p.double(), r, dim if p is values.weight else 0).to(p.dtype))
+        output.weight.copy_(per_head(output.weight.double(), r, 1 - output_dim(output)).to(output.weight.dtype))
