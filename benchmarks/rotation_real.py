@@ -2,25 +2,18 @@
 and R4 rotations, randomised Hadamard and random orthogonal; and the LayerNorm on-ramp on a GPT-2-small-sized model
 with an outlier channel made in its stream.
 
-The rotations here are reference code on a copy of the model (torch only, in float64, stored in float32): the math
-the library is to do, written out for Llama-class models (LlamaForCausalLM's module names):
-- R1 (`rotate_r1`): one orthogonal Q (d x d) for the whole residual stream. First every RMSNorm's gain g is folded
-  into the Linears that read it (W <- W diag(g)) and set to 1, and a tied head is untied. Then the stream h becomes
-  hQ: the embedding's rows E <- E Q; every writer's output side W <- Q^T W (o_proj, down_proj: (d, .) weights,
-  b <- b Q); every reader's input side W <- W Q (q/k/v_proj, gate/up_proj, lm_head: (., d) weights). RMSNorm(hQ) =
-  RMSNorm(h) Q since Q keeps norms, so the function is unchanged.
-- R2 (`rotate_r2`): per layer and per key/value head j, an orthogonal R_j (head_dim x head_dim) on the value
-  projection's output and the output projection's input: v_proj rows of head j W_v[j] <- R_j^T W_v[j] (b_j <- b_j
-  R_j); o_proj columns of query head h W_o[:, h] <- W_o[:, h] R_{h // (heads / kv_heads)} (grouped-query heads
-  share their key/value head's R). Folded into the weights: nothing runs at run time.
+R1 and R2 are the library's: `normswap.rotate(model, method=..., heads=...)` on a copy of the fp32 model (R1: the
+residual stream, the RMSNorms' gains folded into their readers and set to 1, the tied head untied; R2 with `heads=True`:
+each attention head's values rotated in v_proj's rows and undone in o_proj's columns, grouped-query heads sharing the
+matrix), "had" = method hadamard (a randomised Hadamard: 576 = Sylvester 8 (x) Paley 72, head_dim 64 Sylvester),
+"rand" = method random (random orthogonal). The library verifies each rotated copy against the original before it
+returns it. R4 is REFERENCE code here only (the library has no online rotation yet: issue 49's `--online`):
 - R4 (`rotate_r4`): an online rotation of down_proj's input: W_down <- W_down H (the (d, intermediate) weight's
   input side) and, at run time, x <- x H before down_proj quantizes x. H is applied in Kronecker form
   diag(s) (A (x) B) (x reshaped (a, b): A^T X B after the signs s), so a Hadamard costs O(n (a + b)) per token.
   SmolLM2's intermediate 1536 = 128 x 12 has a true Hadamard (Sylvester 128 (x) Paley 12, "had"); "hadblock" is the
   block-diagonal I_3 (x) Sylvester 512 (a fast Walsh-Hadamard transform per 512 block).
-Each is drawn as a randomised Hadamard (random signs times normswap.surgery.orthogonal's Hadamard: 576 = Sylvester 8
-(x) Paley 72, head_dim 64 Sylvester) and as a random orthogonal matrix (QR of a Gaussian). Every rotated model's fp32
-logits are checked against the original's (rel <= 1e-4) before it is quantized.
+Every rotated model's fp32 logits are checked against the original's (rel <= 1e-4) on the text before it is quantized.
 
 Quantizers (fake-quant, applied to every Linear of the decoder layers, not the LM head, which QuaRot keeps in high
 precision; R4's online rotation runs before the quantizer): the reference ones here are symmetric round-to-nearest
@@ -35,7 +28,7 @@ nothing here is calibrated, `--calib` is kept for calibrated rotations). Metrics
 position but each window's last): KL(fp32 original || quantized) per token, averaged; perplexity; top-1 agreement
 with the original's argmax.
 
-    python benchmarks/rotation_real.py OUT.md [--json OUT.json] [--quick] [--windows 32] [--seq 256]
+    python benchmarks/rotation_real.py OUT.md [--json OUT.json] [--quick | --smoke] [--windows 32] [--seq 256]
         [--parts smollm2,gpt2] [--quantizers W8A8,W8A6,...] [--columns none,R1 had,...] [--torchao]
         [--cache DIR] [--threads 2]
 """
@@ -61,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rotation import linearised  # noqa: E402  (GPT-2's Conv1D as nn.Linear)
 
 import normswap  # noqa: E402
-from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402
+from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402  (R4's reference matrices)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "austen"
 GPT2_TOKENIZER = AUSTEN.parents[1] / "tokenizers" / "gpt2"
@@ -98,11 +91,6 @@ def load_smollm2(cache: str | None = None) -> tuple[nn.Module, object]:
 
 # ------------------------------------------------------------------------------------- reference rotations (Llama)
 
-def _rows(w: torch.Tensor, left: torch.Tensor) -> None:
-    """w <- left @ w, computed in float64."""
-    w.copy_((left.double() @ w.double()).to(w.dtype))
-
-
 def _cols(w: torch.Tensor, right: torch.Tensor) -> None:
     """w <- w @ right, computed in float64."""
     w.copy_((w.double() @ right.double()).to(w.dtype))
@@ -110,56 +98,6 @@ def _cols(w: torch.Tensor, right: torch.Tensor) -> None:
 
 def _tied(model: nn.Module) -> bool:
     return model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-
-
-@torch.no_grad()
-def fold_norms(model: nn.Module) -> None:
-    """Untie the head; fold every RMSNorm's gain into the Linears reading it (W <- W diag(g)); gains to 1."""
-    if _tied(model):
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-
-    def fold(norm: nn.Module, readers: list[nn.Linear]) -> None:
-        g = norm.weight.double()
-        for lin in readers:
-            lin.weight.copy_((lin.weight.double() * g).to(lin.weight.dtype))
-        norm.weight.fill_(1.0)
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        fold(layer.input_layernorm, [a.q_proj, a.k_proj, a.v_proj])
-        fold(layer.post_attention_layernorm, [m.gate_proj, m.up_proj])
-    fold(model.model.norm, [model.lm_head])
-
-
-@torch.no_grad()
-def rotate_r1(model: nn.Module, q: torch.Tensor) -> None:
-    """The stream h becomes hQ (norms folded first): embedding rows, writers' outputs, readers' inputs."""
-    _cols(model.model.embed_tokens.weight, q)
-    for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        for reader in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
-            _cols(reader.weight, q)
-        for writer in (a.o_proj, m.down_proj):
-            _rows(writer.weight, q.T)
-            if writer.bias is not None:
-                _cols(writer.bias[None], q)
-    _cols(model.lm_head.weight, q)
-
-
-@torch.no_grad()
-def rotate_r2(model: nn.Module, per_layer: list[list[torch.Tensor]]) -> None:
-    """Per layer, R_j (head_dim x head_dim) per key/value head j on v_proj's output and o_proj's input."""
-    cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    for layer, rs in zip(model.model.layers, per_layer):
-        a = layer.self_attn
-        for j, r in enumerate(rs):
-            _rows(a.v_proj.weight[j * hd:(j + 1) * hd], r.T)
-            if a.v_proj.bias is not None:
-                _cols(a.v_proj.bias[None, j * hd:(j + 1) * hd], r)
-        for h in range(cfg.num_attention_heads):
-            _cols(a.o_proj.weight[:, h * hd:(h + 1) * hd], rs[h // group])
 
 
 class KronRotation(nn.Module):
@@ -207,16 +145,6 @@ def _signs(n: int, g: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=g, dtype=torch.float64) * 2 - 1
 
 
-def orthogonal(n: int, kind: str, g: torch.Generator) -> torch.Tensor:
-    """A dense n x n orthogonal matrix: "had" (random signs times a Hadamard matrix) or "rand"."""
-    if kind == "rand":
-        return random_orthogonal(n, g)
-    h = hadamard(n)
-    if h is None:
-        raise ValueError(f"no Hadamard matrix of order {n} known")
-    return _signs(n, g)[:, None] * h
-
-
 def online(n: int, kind: str, g: torch.Generator) -> KronRotation:
     """R4's matrix for width n: "had" (random signs times a Hadamard matrix in Kronecker form, Sylvester 2^k (x) the
     Hadamard of order n / 2^k, the largest k for which one is known: 1536 = 128 x 12), "hadblock" (block-diagonal,
@@ -235,38 +163,34 @@ def online(n: int, kind: str, g: torch.Generator) -> KronRotation:
 
 @dataclass(frozen=True)
 class Column:
-    """A rotated variant: which rotations (R1, R2, R4) and of which kind (had, rand; R4: also hadblock)."""
+    """A rotated variant: the library's R1 (and R2: `heads`) of one method, and the reference online R4 (had, rand,
+    hadblock) on top."""
     name: str
-    r1: str | None = None
-    r2: str | None = None
+    method: str | None = None   # normswap.rotate's: hadamard, random
+    heads: bool = False
     r4: str | None = None
 
 
 COLUMNS = {c.name: c for c in (
     Column("none"),
-    Column("R1 had", "had"), Column("R1 rand", "rand"),
-    Column("R1+R2 had", "had", "had"), Column("R1+R2 rand", "rand", "rand"),
-    Column("R1+R2+R4 had", "had", "had", "had"), Column("R1+R2+R4 hadblock", "had", "had", "hadblock"),
-    Column("R1+R2+R4 rand", "rand", "rand", "rand"),
+    Column("R1 had", "hadamard"), Column("R1 rand", "random"),
+    Column("R1+R2 had", "hadamard", True), Column("R1+R2 rand", "random", True),
+    Column("R1+R2 had + R4 had (reference)", "hadamard", True, "had"),
+    Column("R1+R2 had + R4 hadblock (reference)", "hadamard", True, "hadblock"),
+    Column("R1+R2 rand + R4 rand (reference)", "random", True, "rand"),
 )}
 
 
 def rotated(model: nn.Module, col: Column, seed: int = 0) -> nn.Module:
-    """A rotated copy of the Llama-class `model` (or `model` itself for no rotation). Each rotation draws from its
-    own generator, so R1's Q is the same matrix in every column of that kind."""
-    if col.r1 is None:
+    """A rotated copy of `model` (or `model` itself for no rotation): normswap.rotate's R1 (+ R2), then the reference
+    R4 (Llama-class module names) drawn from its own generator."""
+    if col.method is None:
         return model
-    cfg = model.config
     out = copy.deepcopy(model)
-    fold_norms(out)
-    rotate_r1(out, orthogonal(cfg.hidden_size, col.r1, torch.Generator().manual_seed(seed)))
-    if col.r2:
-        g = torch.Generator().manual_seed(seed + 1)
-        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotate_r2(out, [[orthogonal(hd, col.r2, g) for _ in range(cfg.num_key_value_heads)]
-                        for _ in range(cfg.num_hidden_layers)])
+    normswap.rotate(out, method=col.method, seed=seed, heads=col.heads)
     if col.r4:
         g = torch.Generator().manual_seed(seed + 2)
+        cfg = model.config
         rotate_r4(out, [online(cfg.intermediate_size, col.r4, g) for _ in range(cfg.num_hidden_layers)])
     return out.eval()
 
@@ -320,12 +244,12 @@ class Quantizer:
 
 REFERENCE = [Quantizer("W8A8", 8, None, 8), Quantizer("W8A6", 8, None, 6), Quantizer("W4A8", 4, None, 8),
              Quantizer("W4A6", 4, None, 6), Quantizer("W8A4", 8, None, 4), Quantizer("int8 weight-only", 8),
-             Quantizer("int4 weight-only, per channel", 4), Quantizer("int4 weight-only, group 64", 4, 64)]
+             Quantizer("int4 weight-only per channel", 4), Quantizer("int4 weight-only group 64", 4, 64)]
 TORCHAO = [Quantizer("torchao W8A8", torchao="Int8DynamicActivationInt8WeightConfig()"),
            Quantizer("torchao int8 weight-only", torchao="Int8WeightOnlyConfig()"),
-           Quantizer("torchao int4 weight-only, per channel",
+           Quantizer("torchao int4 weight-only per channel",
                      torchao="IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerAxis(0))"),
-           Quantizer("torchao int4 weight-only, group 64",
+           Quantizer("torchao int4 weight-only group 64",
                      torchao="IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(64))"),
            Quantizer("torchao W4A8 (int4 per channel, int8 asym. per token)",
                      torchao="Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, "
@@ -484,13 +408,14 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
             res["outliers"][cname] = llama_outliers(m, stat_ids, a.batch)
         for qname in a.quantizers:
             q = QUANTIZERS[qname]
-            if q.torchao and cname not in a.torchao_columns:
-                continue
+            if q.torchao and cname not in a.torchao_columns or qname == "fp32" and cname != "none":
+                continue   # fp32: the rotated models' function is the original's (checked above)
             t2 = time.time()
             cell = score(quantized(m, q), ids, ref, a.batch)
             cell["s"] = time.time() - t2
             res["cells"].setdefault(qname, {})[cname] = cell
-            log(f"  {qname:<40} KL {cell['kl']:.4e}  ppl {cell['ppl']:.3f}  top-1 {cell['top1']:.2%}  ({cell['s']:.0f} s)")
+            log(f"  {qname:<40} KL {cell['kl']:.4e}  ppl {cell['ppl']:.3f}  top-1 {cell['top1']:.2%}  "
+                f"({cell['s']:.0f} s)")
         del m
     res["total_s"] = time.time() - t0
     return res
@@ -656,6 +581,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("markdown", help="Where to write the tables (and, beside it, .json unless --json).")
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="A few windows, fewer quantizers and columns: minutes.")
+    ap.add_argument("--smoke", action="store_true", help="One window of 16 tokens, two columns: the test's run.")
     ap.add_argument("--parts", default="smollm2,gpt2")
     ap.add_argument("--windows", type=int, default=32)
     ap.add_argument("--seq", type=int, default=256)
@@ -663,12 +589,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stat-windows", type=int, default=4)
     ap.add_argument("--eval", default="persuasion", help="The novel evaluated on (../shared/corpora/austen).")
     ap.add_argument("--calib", default="emma", help="The novel any calibration would use (none does yet).")
-    ap.add_argument("--quantizers", default="fp32,W8A8,W8A6,W4A8,int8 weight-only,int4 weight-only, per channel,"
-                    "int4 weight-only, group 64", help="Comma-separated names (see QUANTIZERS).")
-    ap.add_argument("--torchao", action="store_true", help="Add torchao's rows (on --torchao-columns only).")
-    ap.add_argument("--torchao-columns", default="none,R1+R2 had,R1+R2+R4 had")
-    ap.add_argument("--columns", default=",".join(COLUMNS))
-    ap.add_argument("--stat-columns", default="none,R1+R2+R4 had,R1+R2+R4 rand")
+    ap.add_argument("--quantizers", default="fp32,W8A8,torchao W8A8,int8 weight-only,int4 weight-only per channel,"
+                    "int4 weight-only group 64,W8A6,W4A8", help="Comma-separated names (see QUANTIZERS).")
+    ap.add_argument("--torchao", action="store_true", help="Add all of torchao's rows (on --torchao-columns only).")
+    ap.add_argument("--torchao-columns", default=",".join(COLUMNS))
+    ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference)")
+    ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference)")
     ap.add_argument("--gpt2-windows", type=int, default=8)
     ap.add_argument("--gpt2-scale", type=float, default=100.0)
     ap.add_argument("--gpt2-quantizers", default="fp32,W8A8,W8A6")
@@ -681,8 +607,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if "--quantizers" not in (argv or sys.argv):
             a.quantizers = "fp32,W8A8,W8A6"
         if "--columns" not in (argv or sys.argv):
-            a.columns = "none,R1+R2 had,R1+R2+R4 had,R1+R2+R4 rand"
-    a.quantizers = a.quantizers.split(",") + ([q.name for q in TORCHAO] if a.torchao else [])
+            a.columns = "none,R1+R2 had,R1+R2 had + R4 had (reference)"
+    if a.smoke:   # seconds of scoring (the load and one library rotation remain): the test's
+        a.windows, a.seq, a.stat_windows, a.batch, a.parts = 1, 16, 1, 1, "smollm2"
+        a.quantizers, a.columns = "fp32,W8A8,torchao W8A8", "none,R1+R2 had"
+    a.quantizers = a.quantizers.split(",") + ([q.name for q in TORCHAO if q.name not in a.quantizers]
+                                               if a.torchao else [])
     for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts"):
         setattr(a, k, getattr(a, k).split(","))
     a.stat_columns = [c for c in a.stat_columns if c in a.columns]
