@@ -30,7 +30,10 @@ with the original's argmax.
 
     python benchmarks/rotation_real.py OUT.md [--json OUT.json] [--quick | --smoke] [--windows 32] [--seq 256]
         [--parts smollm2,gpt2] [--quantizers W8A8,W8A6,...] [--columns none,R1 had,...] [--torchao]
-        [--cache DIR] [--threads 2]
+        [--cache DIR] [--threads 2] [--plain-python PYTHON]
+
+--parts plain: the rotated SmolLM2 folder (normswap.rotate on the --cache folder, heads=True) loaded by plain
+transformers with its own class (this interpreter's, and --plain-python's: transformers 4.57), against the original.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import importlib.util
 import json
 import math
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -421,6 +425,50 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
     return res
 
 
+# --------------------------------------------------------------------------------------------- plain-loadable folder
+
+PLAIN_CHILD = r"""
+import json, sys, torch, transformers as tf
+folders, ids_file, out_file = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+ids, res = torch.load(ids_file), {"transformers": tf.__version__}
+for name, folder in folders.items():
+    m = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        res[name] = {"cls": type(m).__name__, "logits": m(input_ids=ids).logits,
+                     "greedy": m.generate(ids[:1, :32], max_new_tokens=24, do_sample=False)}
+torch.save(res, out_file)
+"""
+
+
+def plain_part(a: argparse.Namespace, log) -> dict:
+    """`normswap.rotate(folder, out, heads=True)` on the fp32 SmolLM2 folder (--cache), then both folders loaded by
+    plain transformers with their own class, here (5.x) and with --plain-python (4.57), in a child that cannot
+    import normswap: logits on held-out windows and 24 greedy tokens, rotated vs original."""
+    if not a.cache:
+        raise SystemExit("the plain part needs --cache (the fp32 SmolLM2 folder it rotates)")
+    load_smollm2(a.cache)   # written if absent
+    out = Path(f"{a.cache.rstrip('/')}-rotated")
+    t0 = time.time()
+    normswap.rotate(a.cache, out, method="hadamard", seed=a.seed, heads=True, overwrite=True)
+    res = {"rotate_s": time.time() - t0, "files": sorted(p.name for p in out.iterdir())}
+    tok = tf.AutoTokenizer.from_pretrained(a.cache)
+    ids = austen_windows(tok, a.eval, 2, a.seq)
+    tmp = out.parent / "plain-ids.pt"
+    torch.save(ids, tmp)
+    for python in [sys.executable, *([a.plain_python] if a.plain_python else [])]:
+        got = out.parent / "plain-out.pt"
+        env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(out.parent)}   # no PYTHONPATH: no normswap
+        subprocess.run([python, "-c", PLAIN_CHILD, json.dumps({"original": a.cache, "rotated": str(out)}), str(tmp),
+                        str(got)], check=True, env=env, cwd="/", capture_output=True)
+        r = torch.load(got)
+        o, q = r["original"], r["rotated"]
+        row = {"cls": q["cls"], "rel": ((q["logits"] - o["logits"]).norm() / o["logits"].norm()).item(),
+               "greedy_identical": bool(torch.equal(q["greedy"], o["greedy"]))}
+        res[f"transformers {r['transformers']}"] = row
+        log(f"plain transformers {r['transformers']}: {row}")
+    return res
+
+
 # --------------------------------------------------------------------------------------------- the LayerNorm on-ramp
 
 @torch.no_grad()
@@ -549,6 +597,14 @@ def markdown(res: dict) -> str:
             lines += ["Outliers per layer: max|x|/RMS over the whole tensor (in brackets: the mean over tokens of "
                       "max|x|/RMS per token, and of the kurtosis over channels):", ""]
             lines += _outlier_table(s["outliers"], ["stream", "q_proj", "o_proj", "down_proj"]) + [""]
+    p = res.get("plain")
+    if p:
+        lines += ["### The rotated folder in plain transformers (R1 + R2, `normswap.rotate(folder, out, heads=True)`)",
+                  "", f"Rotated and saved in {p['rotate_s']:.0f} s; files: {', '.join(p['files'])}.", "",
+                  "| loader | class | logits rel to the original's (2 held-out windows) | 24 greedy tokens identical |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k} | {v['cls']} | {v['rel']:.1e} | {v['greedy_identical']} |"
+                  for k, v in p.items() if k.startswith("transformers")] + [""]
     g = res.get("gpt2")
     if g:
         cols = list(g["cells"][next(iter(g["cells"]))])
@@ -601,6 +657,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", default=None, help="A folder for the fp32 SmolLM2 (saves the GGUF dequantization).")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plain-python", default=None, help="Another interpreter (transformers 4.57) for the plain part.")
     a = ap.parse_args(argv)
     if a.quick:
         a.windows, a.seq, a.gpt2_windows, a.stat_windows = min(a.windows, 4), min(a.seq, 128), 2, 2
@@ -634,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
         res["smollm2"] = smollm2_part(a, log)
     if "gpt2" in a.parts:
         res["gpt2"] = gpt2_part(a, log)
+    if "plain" in a.parts:
+        res["plain"] = plain_part(a, log)
     res["total_s"] = time.time() - t0
     text = markdown(res)
     Path(a.markdown).write_text(text)

@@ -122,9 +122,9 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     _check_fixes(model, found)
     pairs, per_head = _head_pairs(model, found, inputs[0], method, seed) if heads else ([], None)
     if pairs:
-        found.not_preserved["cache"] = ("the attention's cache: its values (and keys, where one layer makes queries, keys "
-                                        "and values: GPT-2's c_attn) stored rotated per head, read back so: generation "
-                                        "unchanged")
+        found.not_preserved["cache"] = ("the attention's cache: its values (and keys, where one layer makes queries, "
+                                        "keys and values: GPT-2's c_attn) stored rotated per head, read back so: "
+                                        "generation unchanged")
     reference = verification.reference(model, found.not_preserved, example_inputs)
     report = RotationReport(method, seed, not_preserved=dict(found.not_preserved), inner=found.inner)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
