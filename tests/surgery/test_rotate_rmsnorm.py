@@ -158,3 +158,18 @@ def test_per_head_rotation_is_refused_by_name_where_no_attention_pairs():
     """Phi-3's fused qkv_proj: no layer's whole output is values, so none pairs with o_proj."""
     with pytest.raises(NotRotatable, match=r"no attention found to rotate per head \(heads of width 8\)"):
         rotate(tiny("phi3"), heads=True)
+
+
+def test_a_wrong_per_head_rotation_is_caught_by_verification(monkeypatch):
+    """The check can fail: values rotated per head without the output layer undoing it is refused after the edits."""
+    from normswap.errors import NormswapError
+    from normswap.surgery import heads, rotate as rotate_mod
+
+    def values_only(model, pairs, r):   # the values rotated, nothing undone
+        for v, _ in pairs:
+            layer = model.get_submodule(v)
+            with torch.no_grad():
+                layer.weight.copy_(heads.per_head(layer.weight.double(), r.double(), 0).to(layer.weight.dtype))
+    monkeypatch.setattr(rotate_mod, "rotate_heads", values_only)
+    with pytest.raises(NormswapError, match=r"rotation failed verification.*discard it"):
+        rotate(tiny("llama"), heads=True)
