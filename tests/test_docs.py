@@ -21,7 +21,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 MAKE_DEMO_OUT = re.search(r"^DEMO_OUT \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
 # What a page may read without writing it: the bundled model, the folder `make demo` writes, the user's own
 # model folder (the python blocks get the demo model saved by transformers there) and text files
-GIVEN = {"normswap-demo", MAKE_DEMO_OUT, "gpt2-folder"}
+GIVEN = {"normswap-demo", MAKE_DEMO_OUT, "gpt2-folder", "llama-folder"}   # the last two: a user's own folders
 READS = {"convert", "heal", "export", "eval", "inspect", "generate", "rotate", "plot"}   # verb SRC ...
 NEEDS = re.compile(r"#\s*needs:\s*(hub|gpu)\b")   # a python block's first line: the tests skip it
 

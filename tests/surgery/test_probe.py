@@ -287,3 +287,33 @@ def test_computes_rms_norm_by_behaviour(f, rms):
     torch.manual_seed(0)
     assert computes_rms_norm(Gain(f), D) is rms
     assert computes_rms_norm(nn.RMSNorm(D), D) and not computes_rms_norm(nn.LayerNorm(D), D)
+
+
+def test_probe_rms_finds_other_libraries_rmsnorms_and_where_their_gain_lives():
+    """probe_rms: LlamaRMSNorm's gain is its weight, Gemma's is 1 + weight (exact bits, the module's eps); a
+    LayerNorm (it subtracts the mean) and a per-channel scale are not RMSNorms."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from normswap.surgery.probe import probe_rms
+    g = torch.Generator().manual_seed(0)
+    for cls, offset in ((LlamaRMSNorm, 0.0), (GemmaRMSNorm, 1.0)):
+        norm = cls(D, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        found = probe_rms(norm, D)
+        assert (found.param, found.offset, found.eps) == ("weight", offset, 1e-5), cls
+        assert torch.equal(found.gain, norm.weight.detach().double() + offset)
+    with pytest.raises(NotLayerNorm, match="adds a bias after normalising"):
+        probe_rms(_perturbed(nn.LayerNorm(D)), D)
+    with pytest.raises(NotLayerNorm, match="not an RMSNorm over the last dimension"):
+        probe_rms(nn.LayerNorm(D, bias=False), D)
+
+    class Scale(nn.Module):   # LayerScale: a 1-D parameter, no normalisation
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+
+        def forward(self, x):
+            return x * self.gamma
+    with pytest.raises(NotLayerNorm, match="scales with the input"):
+        probe_rms(Scale(), D)

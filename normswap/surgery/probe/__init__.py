@@ -18,7 +18,7 @@ from torch import nn
 from normswap.surgery.probe import confirm, estimate, snap
 from normswap.surgery.probe.runner import NONFINITE, Broken, NotLayerNorm, call, copies
 
-__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "computes_rms_norm", "probe"]
+__all__ = ["NONFINITE", "Broken", "NotLayerNorm", "Probed", "ProbedRMS", "computes_rms_norm", "probe", "probe_rms"]
 RMS_TOL = 1e-4   # relative: eps up to ~1e-5 against rows of mean square >= 1 stays far below it
 
 
@@ -38,9 +38,35 @@ def probe(module: nn.Module, width: int, seed: int = 0) -> Probed:
     return Probed(gain.to(est.device), None if b is None else b.to(est.device), float(eps))
 
 
+@dataclass
+class ProbedRMS:
+    """An RMSNorm's effective gain (float64, on the CPU) and where it lives: gain = the module's own parameter
+    `param` + `offset` (Gemma's 1 + w: offset 1); `param` None: no parameter (a gain of ones)."""
+    gain: torch.Tensor
+    eps: float
+    param: str | None
+    offset: float
+
+
+def probe_rms(module: nn.Module, width: int, seed: int = 0) -> ProbedRMS:
+    """What `module` computes if it is an RMSNorm over the last dim of `width`, x * rsqrt(mean(x²) + eps) * g (no
+    mean subtracted, no bias), whatever its class; `NotLayerNorm` (why) where it is not one."""
+    g = torch.Generator().manual_seed(seed)
+    est = estimate.estimate(module, width, g)
+    gain, b, eps = snap.snap(module, est)
+    if b is not None:
+        raise NotLayerNorm("adds a bias after normalising: not an RMSNorm")
+    confirm.confirm(est, gain, None, eps, g, centred=False)
+    used, offset = snap.own_gain(module, gain, est.tol) or (None, 0.0)
+    if used is None and not bool((gain == 1).all()):
+        raise NotLayerNorm("its gain is none of its parameters (nor one plus one): it cannot be set to ones")
+    return ProbedRMS(gain.cpu(), float(eps), used, offset)
+
+
 def computes_rms_norm(module: nn.Module, width: int, seed: int = 0) -> bool:
-    """Whether `module` computes an RMSNorm over the last dim of `width` (x / rms(x) times one gain vector,
-    whatever its class or formula): rows with random means and scales all give the same gain."""
+    """Whether `module` computes x / rms(x) times one gain vector over the last dim of `width` on rows far from
+    eps, whatever its class, formula or eps form (lucidrains' F.normalize(x) * sqrt(d) clamps the norm instead
+    of adding eps, which `probe_rms`'s exact formula refuses): the export's count of norms."""
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(8, width, generator=g, dtype=torch.float64) + 3 * torch.randn(8, 1, generator=g,
                                                                                       dtype=torch.float64)) \
