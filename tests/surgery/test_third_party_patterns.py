@@ -401,3 +401,53 @@ def test_a_failed_verification_puts_an_encoder_back_on_its_fused_path(uncentred)
     with pytest.raises(NotExact):
         normswap.convert(model, method="exact", example_inputs=torch.randn(2, 5, D))
     assert [(m.activation_relu_or_gelu, m.norm1) for m in model.layers] + [model.use_nested_tensor] == flags
+
+
+# An RMSNorm whose class name does not say so: one 1-D parameter, like a LayerScale, but not x * g
+class RootMeanSquare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
+
+
+class StreamRMS(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.rms, self.fc2 = RootMeanSquare(), nn.Linear(D, D)
+
+    def block(self, x):
+        x = x + self.fc(self.ln1(x))
+        return x + self.fc2(self.rms(x))
+
+
+class LaterStreamRMS(StreamRMS):
+    """A pre-LN stage and a norm, then a block whose RMSNorm reads that norm's output (the stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_mid = nn.LayerNorm(D)
+
+    def block(self, x):
+        x = self.ln_mid(x + self.fc(self.ln1(x)))
+        return x + self.fc2(self.rms(x))
+
+
+def test_an_rmsnorm_of_any_class_name_reading_the_stream_is_a_read():
+    # the mean centring removes changes its output: refused naming it (not a failed verification)
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(StreamRMS()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.READ and "rms (RootMeanSquare)" in str(e.value), str(e.value)
+
+
+def test_norms_before_an_rmsnorm_of_any_class_name_convert():
+    torch.manual_seed(0)
+    model = perturbed(LaterStreamRMS())
+    others = [ids(3, 7), ids(1, 2)]
+    refs = [call(model, x) for x in others]
+    report = normswap.convert(model, method="exact", example_inputs=ids(2, 5))
+    assert {r.name for r in report.converted} == {"ln1"} and {s.name for s in report.skipped} == {"ln_mid", "ln_f"}
+    assert "read directly by rms (RootMeanSquare)" in report.skipped[0].reason
+    assert worst(model, others, refs) < 1e-5
