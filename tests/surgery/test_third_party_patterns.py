@@ -361,6 +361,37 @@ def test_a_parameter_no_sample_ran_is_named_before_a_norm_that_could_stay():
     assert e.value.cause is Cause.UNRUN and e.value.refusal.modules == ("mask_token",)
 
 
+class PostProcessed(Tiny):
+    """Parameters read only by a method the forward never calls (diffusers' PriorTransformer: clip_mean,
+    clip_std, read by `post_process_latents`); `when` runs it from the forward under an argument instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.clip_mean, self.clip_std = nn.Parameter(torch.randn(D)), nn.Parameter(torch.rand(D))
+
+    def post_process(self, latents):
+        return latents * self.clip_std + self.clip_mean
+
+
+class PostProcessedWhen(PostProcessed):
+    def forward(self, idx, post=False):
+        x = self.block(self.emb(idx))
+        return self.head_of(self.post_process(x) if post else x)
+
+
+def test_parameters_read_only_by_a_method_the_forward_never_calls_do_not_block():
+    torch.manual_seed(0)
+    model = perturbed(PostProcessed())
+    latents = torch.randn(3, D)
+    before = model.post_process(latents)
+    err, report = exact_on_others(model, ids(2, 5), [ids(3, 7)])
+    assert err < 1e-5 and report.num_converted == 2
+    assert torch.equal(model.post_process(latents), before)   # the user's own call of it: clip_* not edited
+    with pytest.raises(NotExact) as e:   # a method the forward can call: a path other inputs take
+        normswap.convert(perturbed(PostProcessedWhen()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.UNRUN and set(e.value.refusal.modules) == {"clip_mean", "clip_std"}
+
+
 class NoOutProjection(Tiny):
     """A later block whose attention has no output projection: it writes a slice of to_qkv, mixed by attention
     weights (no weight edit centres it), so the final norm stays a LayerNorm; the norms before it convert."""
