@@ -11,8 +11,9 @@ A parameter read is still unreachable when its owner reads it only under `if <ar
 optional forward arguments that the owner's parent never passes (`unreachable`): Dinov2's mask_token inside
 Depth Anything's backbone; or when a module on its path is read only under `if self.<flag>:` for a flag that
 is off and that no code sets after `__init__` (MONAI's `with_cross_attention`); or when a module reads it only in
-its own `forward`, which its parent never calls (vit-pytorch's MAE runs its encoder's pieces by hand). Anything
-less clear-cut counts as reachable.
+its own `forward`, which its parent never calls (vit-pytorch's MAE runs its encoder's pieces by hand); or only in
+methods its forward never runs (diffusers' PriorTransformer's `post_process_latents`). Anything less clear-cut
+counts as reachable.
 """
 from __future__ import annotations
 
@@ -300,6 +301,111 @@ def uncalled_forward(model: nn.Module, name: str) -> bool:
     return False
 
 
+def _named(node: ast.AST, own: bool = False) -> str | None:
+    """The name `node` reads: an attribute (`x.m`; with `own`, only `self.m` and `super().m`) or a string
+    (`getattr(self, "m")`)."""
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        base = node.value
+        mine = isinstance(base, ast.Name) and base.id == "self" or isinstance(base, ast.Call) and \
+            isinstance(base.func, ast.Name) and base.func.id == "super"
+        return node.attr if mine or not own else None
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+SELF_SAFE = {"type", "isinstance", "super", "id"}   # calls that take `self` and run none of its methods
+
+
+def _handed_self(node: ast.AST, up: ast.AST | None, cls: type) -> object:
+    """For a bare `self` given to other code (not `self.x`, `type(self)`, `getattr(self, "x")`): the function of
+    the class's module it is passed to (ModelMixin's `get_parameter_dtype(self)`), or None when that is not one
+    (a method, a callable from elsewhere: it could run any method). False: not such a use."""
+    if not (isinstance(node, ast.Name) and node.id == "self") or isinstance(up, ast.Attribute):
+        return False
+    call = isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
+    if call and (up.func.id in SELF_SAFE or up.func.id in ("getattr", "hasattr") and len(up.args) > 1
+                 and isinstance(up.args[1], ast.Constant)):
+        return False
+    fn = getattr(inspect.getmodule(cls), "__dict__", {}).get(up.func.id) if call else None
+    return fn if inspect.isfunction(fn) else None
+
+
+def _unreached(classes: list[type]) -> tuple[dict[str, list], list] | None:
+    """The methods of `classes` that neither a call nor the constructor runs: not `forward`, not a special method
+    (`__call__`, `__init__`, `__getattr__`: Python runs them unnamed), not named through `self` (or `super()`) by
+    the class bodies or by a method that runs, transitively: (name -> definitions, the functions that running
+    code hands `self` to); None if a class cannot be read or running code hands `self` to something else."""
+    methods: dict[str, list] = {}
+    todo: list[tuple[ast.AST, type]] = []
+    for cls in classes:
+        tree = _class_tree(cls)
+        if tree is None:
+            return None
+        for item in tree.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                methods.setdefault(item.name, []).append((item, cls))
+            else:
+                todo.append((item, cls))
+    seen = {n for n in methods if n == "forward" or n.startswith("__") and n.endswith("__")}
+    todo += [f for n in seen for f in methods[n]]
+    helpers = []
+    while todo:
+        item, cls = todo.pop()
+        ups = {id(c): p for p in ast.walk(item) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(item):
+            if (fn := _handed_self(node, ups.get(id(node)), cls)) is None:
+                return None
+            if fn is not False:
+                helpers.append(fn)
+            name = _named(node, own=True)
+            if name in methods and name not in seen:
+                seen.add(name)
+                todo += methods[name]
+    return {n: [f for f, _ in fns] for n, fns in methods.items() if n not in seen}, helpers
+
+
+def _named_count(trees: list[ast.AST], names: set[str]) -> int:
+    return sum(_named(node) in names for tree in trees for node in ast.walk(tree))
+
+
+def _source_trees(objs) -> list[ast.AST] | None:
+    try:
+        return [ast.parse(textwrap.dedent(inspect.getsource(o))) for o in objs]
+    except (TypeError, OSError, SyntaxError):
+        return None
+
+
+def _off_forward(model: nn.Module, owner_name: str, attr: str) -> bool:
+    """True if the owner's own code reads `<attr>` only in methods that neither its call nor its constructor runs
+    (`_unreached`: diffusers' PriorTransformer reads clip_mean only in `post_process_latents`, which its forward
+    never calls), and neither another module class of the model (a parent calling them) nor a function that
+    running code hands `self` to names those methods. A user may still call such a method: what it reads did not
+    run in the forward, so the plan edits none of it."""
+    owner = model.get_submodule(owner_name)
+    classes = _own_classes(owner)
+    found = _unreached(classes) if classes else None
+    if found is None:
+        return False
+    unreached, helpers = found
+    readers = {n for n, fns in unreached.items() if _named_count(fns, {attr})}
+    if not readers or _named_count(_source_trees(classes) or [], {attr}) != \
+            _named_count([f for n in readers for f in unreached[n]], {attr}):
+        return False
+    others = {c for module in model.modules() for c in _own_classes(module)} - set(classes)
+    trees = _source_trees([*others, *set(helpers)])
+    return trees is not None and not _named_count(trees, readers)
+
+
+def off_forward(model: nn.Module, name: str) -> bool:
+    """True if a module on the path to `name` (a module or a parameter) reads the next step only in methods its
+    call never runs (`_off_forward`)."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        owner_name = ".".join(parts[:i])
+        if not isinstance(model.get_submodule(owner_name), CONTAINERS) and _off_forward(model, owner_name, parts[i]):
+            return True
+    return False
+
+
 def switched_off(model: nn.Module, name: str) -> bool:
     """True if a module on the path to `name` (a module or a parameter) reads the next one only under a
     constructor switch that is off (`_flagged_off`)."""
@@ -313,8 +419,9 @@ def switched_off(model: nn.Module, name: str) -> bool:
 
 def never_runs(model: nn.Module, name: str) -> bool:
     """True if no input can run the module or parameter `name`: behind a constructor switch that is off
-    (`switched_off`), or read only by a forward no code calls (`uncalled_forward`)."""
-    return switched_off(model, name) or uncalled_forward(model, name)
+    (`switched_off`), read only by a forward no code calls (`uncalled_forward`), or only by methods the forward
+    never runs (`off_forward`)."""
+    return switched_off(model, name) or uncalled_forward(model, name) or off_forward(model, name)
 
 
 def unreachable(model: nn.Module, param: str) -> bool:

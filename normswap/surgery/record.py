@@ -43,7 +43,7 @@ class Recorder(TorchFunctionMode):
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending = TensorMap()       # slice -> (Flow, User): slices not read yet
         self.deferred: list[tuple[User, frozenset, list, dict]] = []      # uses of rearranged tensors
-        self.scaled: dict[str, int] = {}   # a scale module running now -> the dim of its input's channels
+        self.scaled: dict[str, tuple] = {}   # a scale module running now -> (input, flow, channel dim, input * g)
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
@@ -320,12 +320,13 @@ class Recorder(TorchFunctionMode):
                 self.use(x, flow, User("module", name, type(module).__name__))
             self._norm_input(name, x, flow)
         elif name not in self.norms and x is not None and is_scale(module):
-            # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C)
-            self.scaled[name] = hd = channel_dim(x, next(module.parameters()).shape[0], flow)
-            if flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == hd:
-                self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
-            else:
-                self._leaf_reads(name, module, x, flow)
+            # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C); whether it
+            # is one is seen in `post`, from what it gave: x * g here, before an in-place scale changes x
+            gain = next(module.parameters())
+            hd = channel_dim(x, gain.shape[0], flow)
+            self.inside = name   # the reference's own op is not the model's
+            ref = x * gain.view([-1] + [1] * (-hd - 1)) if x.shape[hd] == gain.shape[0] else None
+            self.scaled[name] = (x, flow, hd, ref)
         else:
             self._leaf_reads(name, module, x, flow)
         self.inside = name
@@ -369,13 +370,29 @@ class Recorder(TorchFunctionMode):
             self.trace.fed_norms[label].add(name)
         self.trace.calls[name].append(call)
 
+    def _scale_leaf(self, name: str, module: nn.Module, first: torch.Tensor | None) -> int:
+        """A module with one 1-D parameter gave `first`: if that is its input times the parameter along the
+        channels (LayerScale), a scale (foldable into the layer before when that wrote the input unmixed: not a
+        use); else (an RMSNorm of any class name, `x * rsqrt(mean(x^2)) * g`) a layer reading its input, whose
+        result centring changes. The dim of the output's channels."""
+        x, flow, hd, ref = self.scaled.pop(name)
+        if first is None or ref is None or first.shape != ref.shape or not torch.equal(first, ref.to(first.dtype)):
+            self._leaf_reads(name, module, x, flow)
+            return -1
+        if flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == hd:
+            self.trace.scales[Label("layer", name)].append(flow)
+        else:
+            self._leaf_reads(name, module, x, flow)
+        return hd
+
     def post(self, name: str, module: nn.Module, out) -> None:
         self.inside = None
         first = next(iter(tensors_in(out)), None)
+        scale = self._scale_leaf(name, module, first) if name in self.scaled else -1
         if first is not None and first.dim():
             conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
             label = Label("norm" if name in self.norms else "layer", name)
-            hd = 1 - first.dim() if conv else self.scaled.pop(name, -1)   # a scale: where its input's channels were
+            hd = 1 - first.dim() if conv else scale   # a scale: where its input's channels were
             self.set(first, Flow(frozenset({label}), hd=hd))
             self.trace.widths[label] = first.shape[hd]
 

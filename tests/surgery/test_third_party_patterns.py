@@ -361,6 +361,37 @@ def test_a_parameter_no_sample_ran_is_named_before_a_norm_that_could_stay():
     assert e.value.cause is Cause.UNRUN and e.value.refusal.modules == ("mask_token",)
 
 
+class PostProcessed(Tiny):
+    """Parameters read only by a method the forward never calls (diffusers' PriorTransformer: clip_mean,
+    clip_std, read by `post_process_latents`); `when` runs it from the forward under an argument instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.clip_mean, self.clip_std = nn.Parameter(torch.randn(D)), nn.Parameter(torch.rand(D))
+
+    def post_process(self, latents):
+        return latents * self.clip_std + self.clip_mean
+
+
+class PostProcessedWhen(PostProcessed):
+    def forward(self, idx, post=False):
+        x = self.block(self.emb(idx))
+        return self.head_of(self.post_process(x) if post else x)
+
+
+def test_parameters_read_only_by_a_method_the_forward_never_calls_do_not_block():
+    torch.manual_seed(0)
+    model = perturbed(PostProcessed())
+    latents = torch.randn(3, D)
+    before = model.post_process(latents)
+    err, report = exact_on_others(model, ids(2, 5), [ids(3, 7)])
+    assert err < 1e-5 and report.num_converted == 2
+    assert torch.equal(model.post_process(latents), before)   # the user's own call of it: clip_* not edited
+    with pytest.raises(NotExact) as e:   # a method the forward can call: a path other inputs take
+        normswap.convert(perturbed(PostProcessedWhen()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.UNRUN and set(e.value.refusal.modules) == {"clip_mean", "clip_std"}
+
+
 class NoOutProjection(Tiny):
     """A later block whose attention has no output projection: it writes a slice of to_qkv, mixed by attention
     weights (no weight edit centres it), so the final norm stays a LayerNorm; the norms before it convert."""
@@ -401,3 +432,48 @@ def test_a_failed_verification_puts_an_encoder_back_on_its_fused_path(uncentred)
     with pytest.raises(NotExact):
         normswap.convert(model, method="exact", example_inputs=torch.randn(2, 5, D))
     assert [(m.activation_relu_or_gelu, m.norm1) for m in model.layers] + [model.use_nested_tensor] == flags
+
+
+# An RMSNorm whose class name does not say so: one 1-D parameter, like a LayerScale, but not x * g
+class RootMeanSquare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.g
+
+
+class StreamRMS(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.rms, self.fc2 = RootMeanSquare(), nn.Linear(D, D)
+
+    def block(self, x):
+        x = x + self.fc(self.ln1(x))
+        return x + self.fc2(self.rms(x))
+
+
+class LaterStreamRMS(StreamRMS):
+    """A pre-LN stage and a norm, then a block whose RMSNorm reads that norm's output (the stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln_mid = nn.LayerNorm(D)
+
+    def block(self, x):
+        x = self.ln_mid(x + self.fc(self.ln1(x)))
+        return x + self.fc2(self.rms(x))
+
+
+def test_an_rmsnorm_of_any_class_name_reading_the_stream_is_a_read():
+    # the mean centring removes changes its output: refused naming it (not a failed verification)
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(StreamRMS()), method="exact", example_inputs=ids(2, 5))
+    assert e.value.cause is Cause.READ and "rms (RootMeanSquare)" in str(e.value), str(e.value)
+
+
+def test_norms_before_an_rmsnorm_of_any_class_name_convert():
+    err, report = exact_on_others(LaterStreamRMS(), ids(2, 5), [ids(3, 7), ids(1, 2)])
+    assert {r.name for r in report.converted} == {"ln1"} and {s.name for s in report.skipped} == {"ln_mid", "ln_f"}
+    assert "read directly by rms (RootMeanSquare)" in report.skipped[0].reason and err < 1e-5
