@@ -274,9 +274,11 @@ TORCHAO = [Quantizer("torchao W8A8", torchao="Int8DynamicActivationInt8WeightCon
                      torchao="Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, "
                              "weight_granularity=PerAxis(0))")]
 # The Amdahl split (--parts amdahl): activations quantized only at down_proj's input, weights in fp32; and everything
-# else (every weight, every other Linear's input). Their KLs add up to about the whole quantizer's.
+# else (every weight, every other Linear's input). Their KLs add up to about the whole quantizer's. "weights and
+# down_proj input only": the best any R1+R2 could do with these 8-bit weights (every other activation exact).
 AMDAHL = [Quantizer(f"W8A{b} down_proj input only", None, None, b, acts="down_proj") for b in (8, 6)] + \
-    [Quantizer(f"W8A{b} all but down_proj input", 8, None, b, acts="not down_proj") for b in (8, 6)]
+    [Quantizer(f"W8A{b} all but down_proj input", 8, None, b, acts="not down_proj") for b in (8, 6)] + \
+    [Quantizer(f"W8A{b} weights and down_proj input only", 8, None, b, acts="down_proj") for b in (8, 6)]
 QUANTIZERS = {q.name: q for q in [Quantizer("fp32"), *REFERENCE, *TORCHAO, *AMDAHL]}
 
 
@@ -703,8 +705,9 @@ def markdown(res: dict) -> str:
             f"{c} {v['rel']:.1e}" for c, v in g["columns"].items() if "rel" in v), "",
             "Stream per layer: max|x|/RMS over the tensor (mean over tokens of max|x|/RMS per token, kurtosis):", "",
             "| layer | " + " | ".join(g["outliers"]) + " |", "|---|" + "---|" * len(g["outliers"])]
-        for i in range(len(next(iter(g["outliers"].values())))):
-            lines.append(f"| {i} | " + " | ".join(
+        n_rows = len(next(iter(g["outliers"].values())))
+        for i in range(n_rows):
+            lines.append(f"| {i if i < n_rows - 1 else 'final norm'} | " + " | ".join(
                 f"{v[i]['max/rms']:.1f} ({v[i]['token max/rms']:.1f}, {v[i]['kurtosis']:.1f})"
                 for v in g["outliers"].values()) + " |")
     return "\n".join(lines) + "\n"

@@ -147,6 +147,8 @@ def test_smoke_run_on_smollm2(tmp_path):
 def test_input_bits_split_at_down_proj():
     down, rest = rr.QUANTIZERS["W8A6 down_proj input only"], rr.QUANTIZERS["W8A6 all but down_proj input"]
     assert (down.wbits, down.abits, rest.wbits, rest.abits) == (None, 6, 8, 6)
+    both = rr.QUANTIZERS["W8A6 weights and down_proj input only"]
+    assert (both.wbits, both.abits, both.acts) == (8, 6, "down_proj")
     for name in ("model.layers.3.mlp.down_proj", "model.layers.3.mlp.down_proj.inner"):   # plain, under R4
         assert (rr.input_bits(name, down), rr.input_bits(name, rest), rr.input_bits(name, rr.QUANTIZERS["W8A8"])) \
             == (6, None, 8)
