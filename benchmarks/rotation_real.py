@@ -29,8 +29,13 @@ position but each window's last): KL(fp32 original || quantized) per token, aver
 with the original's argmax.
 
     python benchmarks/rotation_real.py OUT.md [--json OUT.json] [--quick | --smoke] [--windows 32] [--seq 256]
-        [--parts smollm2,gpt2] [--quantizers W8A8,W8A6,...] [--columns none,R1 had,...] [--torchao]
+        [--parts smollm2,gpt2,amdahl,plain] [--quantizers W8A8,W8A6,...] [--columns none,R1 had,...] [--torchao]
         [--cache DIR] [--threads 2] [--plain-python PYTHON]
+
+--parts amdahl: how far any rotation that leaves down_proj's input alone (R1, R2) can cut W8A8's and W8A6's KL:
+each also split into activations quantized only at down_proj's input (weights fp32) and everything but that input,
+on --amdahl-columns (none, R1+R2 had); the bound is KL_all(none) / KL_down_only(R1+R2), since R1 and R2 leave that
+input as it is (measured: each column's down_proj input against the unrotated model's).
 
 --parts plain: the rotated SmolLM2 folder (normswap.rotate on the --cache folder, heads=True) loaded by plain
 transformers with its own class (this interpreter's, and --plain-python's: transformers 4.57), against the original.
@@ -38,6 +43,7 @@ transformers with its own class (this interpreter's, and --plain-python's: trans
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
@@ -48,6 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +251,14 @@ class Quantizer:
     group: int | None = None
     abits: int | None = None
     torchao: str | None = None   # the torchao config's name, for torchao rows
+    acts: Literal["all", "down_proj", "not down_proj"] = "all"   # whose inputs `abits` quantizes
+
+
+def input_bits(name: str, q: Quantizer) -> int | None:
+    """The bits `q` quantizes decoder Linear `name`'s input to (None: kept in fp32). "down_proj": only the MLPs'
+    down projections' inputs (R4 wraps the Linear as down_proj.inner); "not down_proj": every other Linear's."""
+    down = name.endswith((".mlp.down_proj", ".mlp.down_proj.inner"))
+    return q.abits if q.acts == "all" or (q.acts == "down_proj") == down else None
 
 
 REFERENCE = [Quantizer("W8A8", 8, None, 8), Quantizer("W8A6", 8, None, 6), Quantizer("W4A8", 4, None, 8),
@@ -258,7 +273,13 @@ TORCHAO = [Quantizer("torchao W8A8", torchao="Int8DynamicActivationInt8WeightCon
            Quantizer("torchao W4A8 (int4 per channel, int8 asym. per token)",
                      torchao="Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, "
                              "weight_granularity=PerAxis(0))")]
-QUANTIZERS = {q.name: q for q in [Quantizer("fp32"), *REFERENCE, *TORCHAO]}
+# The Amdahl split (--parts amdahl): activations quantized only at down_proj's input, weights in fp32; and everything
+# else (every weight, every other Linear's input). Their KLs add up to about the whole quantizer's. "weights and
+# down_proj input only": the best any R1+R2 could do with these 8-bit weights (every other activation exact).
+AMDAHL = [Quantizer(f"W8A{b} down_proj input only", None, None, b, acts="down_proj") for b in (8, 6)] + \
+    [Quantizer(f"W8A{b} all but down_proj input", 8, None, b, acts="not down_proj") for b in (8, 6)] + \
+    [Quantizer(f"W8A{b} weights and down_proj input only", 8, None, b, acts="down_proj") for b in (8, 6)]
+QUANTIZERS = {q.name: q for q in [Quantizer("fp32"), *REFERENCE, *TORCHAO, *AMDAHL]}
 
 
 def _quantized_linears(model: nn.Module) -> list[str]:
@@ -279,7 +300,8 @@ def quantized(model: nn.Module, q: Quantizer) -> nn.Module:
         return out
     for name in _quantized_linears(out):
         parent, _, child = name.rpartition(".")
-        setattr(out.get_submodule(parent), child, FakeQuantLinear(out.get_submodule(name), q.wbits, q.group, q.abits))
+        setattr(out.get_submodule(parent), child,
+                FakeQuantLinear(out.get_submodule(name), q.wbits, q.group, input_bits(name, q)))
     return out
 
 
@@ -372,6 +394,23 @@ def llama_outliers(model: nn.Module, ids: torch.Tensor, batch: int) -> dict[str,
     return {k: [s.row() for s in v] for k, v in stats.items()}
 
 
+@contextlib.contextmanager
+def down_inputs(model: nn.Module):
+    """Collects, in layer order, each down_proj's input (before R4's online rotation, if any) while inside."""
+    xs: list[torch.Tensor] = []
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: xs.append(a[0].detach().clone()))
+             for layer in model.model.layers]
+    try:
+        yield xs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _max_rel(xs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    return max(((x - r).norm() / r.norm()).item() for x, r in zip(xs, refs, strict=True))
+
+
 # ------------------------------------------------------------------------------------------------------- SmolLM2
 
 def weight_grid_check(model: nn.Module) -> dict:
@@ -398,16 +437,19 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
     res = {"windows": list(ids.shape), "eval": a.eval, "load_s": time.time() - t0, "grid": weight_grid_check(model),
            "columns": {}, "cells": {}, "outliers": {}}
     log(f"reference done ({time.time() - t0:.0f} s); weight grid: {res['grid']}")
+    with down_inputs(model) as down0:   # R1 and R2 leave down_proj's input as it was: measured per column
+        model(input_ids=ids[:a.batch])
     for cname in a.columns:
         col = COLUMNS[cname]
         t1 = time.time()
         m = rotated(model, col, a.seed)
         build = time.time() - t1
-        fp = score(m, ids[:a.batch], ref[:1], a.batch)
+        with down_inputs(m) as down:
+            fp = score(m, ids[:a.batch], ref[:1], a.batch)
         log(f"[{cname}] built in {build:.1f} s; fp32 logits rel to the original {fp['rel']:.2e}")
         if fp["rel"] > 1e-4:
             raise SystemExit(f"{cname}: the rotation changed the function (rel {fp['rel']:.2e} > 1e-4)")
-        res["columns"][cname] = {"build_s": build, "rel": fp["rel"]}
+        res["columns"][cname] = {"build_s": build, "rel": fp["rel"], "down_in_rel": _max_rel(down, down0)}
         if cname in a.stat_columns:
             res["outliers"][cname] = llama_outliers(m, stat_ids, a.batch)
         for qname in a.quantizers:
@@ -422,6 +464,36 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
                 f"({cell['s']:.0f} s)")
         del m
     res["total_s"] = time.time() - t0
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ the Amdahl bound
+
+def amdahl_bounds(cells: dict, column: str, base: str = "none") -> dict:
+    """Per activation width b with its W8Ab, down-only and all-but-down rows in `cells`: how far can a rotation that
+    leaves down_proj's input as it is (R1, R2) cut W8Ab's KL? At most KL_all(base) / KL_down_only(column): that
+    part of the error stays whatever the rest becomes. Also the measured cut and the split's additivity
+    (down only + all but down, over all) per column."""
+    out = {}
+    for qname in cells:
+        down, rest = f"{qname} down_proj input only", f"{qname} all but down_proj input"
+        if down not in cells or rest not in cells:
+            continue
+        row, d, r = cells[qname], cells[down], cells[rest]
+        out[qname] = {"kl_all_base": row[base]["kl"], "kl_down_column": d[column]["kl"],
+                      "cut_max": row[base]["kl"] / d[column]["kl"], "cut": row[base]["kl"] / row[column]["kl"],
+                      "additivity": {c: (d[c]["kl"] + r[c]["kl"]) / row[c]["kl"] for c in (base, column)}}
+    return out
+
+
+def amdahl_part(a: argparse.Namespace, log) -> dict:
+    """smollm2_part on --amdahl-columns with W8A8 and W8A6 whole and split at down_proj's input; the bounds."""
+    b = copy.copy(a)
+    b.columns, b.stat_columns = a.amdahl_columns, []
+    b.quantizers = [n for bits in (8, 6) for n in (f"W8A{bits}", f"W8A{bits} down_proj input only",
+                                                   f"W8A{bits} all but down_proj input")]
+    res = smollm2_part(b, log)
+    res["bounds"] = {c: amdahl_bounds(res["cells"], c, b.columns[0]) for c in b.columns[1:]}
     return res
 
 
@@ -597,6 +669,24 @@ def markdown(res: dict) -> str:
             lines += ["Outliers per layer: max|x|/RMS over the whole tensor (in brackets: the mean over tokens of "
                       "max|x|/RMS per token, and of the kurtosis over channels):", ""]
             lines += _outlier_table(s["outliers"], ["stream", "q_proj", "o_proj", "down_proj"]) + [""]
+    am = res.get("amdahl")
+    if am:
+        cols = list(am["columns"])
+        lines += [f"### Amdahl split at down_proj's input: SmolLM2-135M-Instruct, {am['windows'][0]} windows x "
+                  f"{am['windows'][1]} tokens of {am['eval']} ({am['total_s'] / 60:.0f} min)", "",
+                  "Cells: KL / perplexity / top-1. \"down_proj input only\": activations quantized at every "
+                  "down_proj's input, nothing else (weights fp32); \"all but down_proj input\": every weight and "
+                  "every other Linear's input.", ""]
+        lines += _table(am["cells"], cols, "quantizer") + [""] + _cuts(am["cells"], cols[1:], "none") + [""]
+        lines += ["down_proj's input against the unrotated model's (first batch, largest relative difference over "
+                  "layers): " + ", ".join(f"{c} {v['down_in_rel']:.1e}" for c, v in am["columns"].items()), "",
+                  "| quantizer | column | KL all, none | KL down_proj input only, column | bound on the cut | "
+                  "measured cut | (down only + all but down) / all: none, column |", "|---|---|---|---|---|---|---|"]
+        for c, bounds in am["bounds"].items():
+            lines += [f"| {q} | {c} | {v['kl_all_base']:.3g} | {v['kl_down_column']:.3g} | {v['cut_max']:.2f}x | "
+                      f"{v['cut']:.2f}x | " + ", ".join(f"{x:.2f}" for x in v["additivity"].values()) + " |"
+                      for q, v in bounds.items()]
+        lines += [""]
     p = res.get("plain")
     if p:
         lines += ["### The rotated folder in plain transformers (R1 + R2, `normswap.rotate(folder, out, heads=True)`)",
@@ -615,8 +705,9 @@ def markdown(res: dict) -> str:
             f"{c} {v['rel']:.1e}" for c, v in g["columns"].items() if "rel" in v), "",
             "Stream per layer: max|x|/RMS over the tensor (mean over tokens of max|x|/RMS per token, kurtosis):", "",
             "| layer | " + " | ".join(g["outliers"]) + " |", "|---|" + "---|" * len(g["outliers"])]
-        for i in range(len(next(iter(g["outliers"].values())))):
-            lines.append(f"| {i} | " + " | ".join(
+        n_rows = len(next(iter(g["outliers"].values())))
+        for i in range(n_rows):
+            lines.append(f"| {i if i < n_rows - 1 else 'final norm'} | " + " | ".join(
                 f"{v[i]['max/rms']:.1f} ({v[i]['token max/rms']:.1f}, {v[i]['kurtosis']:.1f})"
                 for v in g["outliers"].values()) + " |")
     return "\n".join(lines) + "\n"
@@ -651,6 +742,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--torchao-columns", default=",".join(COLUMNS))
     ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference)")
     ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference)")
+    ap.add_argument("--amdahl-columns", default="none,R1+R2 had",
+                    help="The amdahl part's columns (the first is the base the bounds divide).")
     ap.add_argument("--gpt2-windows", type=int, default=8)
     ap.add_argument("--gpt2-scale", type=float, default=100.0)
     ap.add_argument("--gpt2-quantizers", default="fp32,W8A8,W8A6")
@@ -670,7 +763,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.quantizers, a.columns = "fp32,W8A8,torchao W8A8", "none,R1+R2 had"
     a.quantizers = a.quantizers.split(",") + ([q.name for q in TORCHAO if q.name not in a.quantizers]
                                                if a.torchao else [])
-    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts"):
+    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts", "amdahl_columns"):
         setattr(a, k, getattr(a, k).split(","))
     a.stat_columns = [c for c in a.stat_columns if c in a.columns]
     return a
@@ -689,14 +782,16 @@ def main(argv: list[str] | None = None) -> None:
            "versions": _versions()}
     if "smollm2" in a.parts:
         res["smollm2"] = smollm2_part(a, log)
+    if "amdahl" in a.parts:
+        res["amdahl"] = amdahl_part(a, log)
     if "gpt2" in a.parts:
         res["gpt2"] = gpt2_part(a, log)
     if "plain" in a.parts:
         res["plain"] = plain_part(a, log)
     res["total_s"] = time.time() - t0
+    Path(a.json or Path(a.markdown).with_suffix(".json")).write_text(json.dumps(res, indent=1))   # first: kept
     text = markdown(res)
     Path(a.markdown).write_text(text)
-    Path(a.json or Path(a.markdown).with_suffix(".json")).write_text(json.dumps(res, indent=1))
     print(text)
 
 

@@ -142,3 +142,50 @@ def test_smoke_run_on_smollm2(tmp_path):
     assert set(res["cells"]) == {"fp32", "W8A8", "torchao W8A8"}
     assert 0 < res["cells"]["W8A8"]["R1+R2 had"]["kl"] < 1 and res["cells"]["fp32"]["none"]["kl"] == 0
     assert "SmolLM2-135M-Instruct" in (tmp_path / "out.md").read_text()
+
+
+def test_input_bits_split_at_down_proj():
+    down, rest = rr.QUANTIZERS["W8A6 down_proj input only"], rr.QUANTIZERS["W8A6 all but down_proj input"]
+    assert (down.wbits, down.abits, rest.wbits, rest.abits) == (None, 6, 8, 6)
+    both = rr.QUANTIZERS["W8A6 weights and down_proj input only"]
+    assert (both.wbits, both.abits, both.acts) == (8, 6, "down_proj")
+    for name in ("model.layers.3.mlp.down_proj", "model.layers.3.mlp.down_proj.inner"):   # plain, under R4
+        assert (rr.input_bits(name, down), rr.input_bits(name, rest), rr.input_bits(name, rr.QUANTIZERS["W8A8"])) \
+            == (6, None, 8)
+    for name in ("model.layers.3.mlp.up_proj", "model.layers.3.self_attn.o_proj", "model.layers.3.mlp.down_projx"):
+        assert (rr.input_bits(name, down), rr.input_bits(name, rest)) == (None, 6)
+
+
+def test_the_split_quantizes_what_it_says_and_rotations_leave_down_proj_input_alone(llama):
+    for column in ("R1+R2 had", "R1+R2 had + R4 had (reference)"):
+        rot = rr.rotated(llama, rr.COLUMNS[column], seed=0)
+        with torch.no_grad(), rr.down_inputs(llama) as x0, rr.down_inputs(rot) as x:
+            llama(input_ids=IDS)
+            rot(input_ids=IDS)
+        assert len(x) == len(x0) == 2 and rr._max_rel(x, x0) < 1e-5   # as the logits (the library works in fp32)
+    down = rr.quantized(llama, rr.QUANTIZERS["W8A8 down_proj input only"])
+    rest = rr.quantized(llama, rr.QUANTIZERS["W8A8 all but down_proj input"])
+    for d, r, o in zip(down.model.layers, rest.model.layers, llama.model.layers):
+        assert (d.mlp.down_proj.abits, r.mlp.down_proj.abits, d.mlp.up_proj.abits, r.mlp.up_proj.abits) \
+            == (8, None, None, 8)
+        assert torch.equal(d.self_attn.q_proj.weight, o.self_attn.q_proj.weight)   # weights fp32 in "down only"
+        assert torch.equal(r.self_attn.q_proj.weight, rr.fake_quant(o.self_attn.q_proj.weight, 8))
+    with torch.no_grad():
+        ref = rr.reference(llama, IDS, 2)
+        kl = {q: rr.score(rr.quantized(llama, rr.QUANTIZERS[q]), IDS, ref, 2)["kl"]
+              for q in ("W8A6", "W8A6 down_proj input only", "W8A6 all but down_proj input")}
+    assert all(v > 0 for v in kl.values())
+    assert kl["W8A6 down_proj input only"] < kl["W8A6"]   # one input of seven per layer
+
+
+def test_amdahl_bounds():
+    def cell(kl):
+        return {"kl": kl}
+    cells = {"W8A8": {"none": cell(0.04), "R": cell(0.02)},
+             "W8A8 down_proj input only": {"none": cell(0.011), "R": cell(0.010)},
+             "W8A8 all but down_proj input": {"none": cell(0.03), "R": cell(0.008)},
+             "int8 weight-only": {"none": cell(0.003), "R": cell(0.004)}}
+    b = rr.amdahl_bounds(cells, "R")
+    assert list(b) == ["W8A8"]
+    assert b["W8A8"]["cut_max"] == pytest.approx(4.0) and b["W8A8"]["cut"] == pytest.approx(2.0)
+    assert b["W8A8"]["additivity"] == pytest.approx({"none": 41 / 40, "R": 0.9})
