@@ -104,6 +104,27 @@ class NormInput:
     opaque: str | None = None
 
 
+def norm_call(x: torch.Tensor | None, flow: Flow | None, widths: dict) -> NormInput:
+    """One call of a norm on `x` (followed as `flow`): what it reads (`NormInput`); the widths of its sources
+    noted in `widths`."""
+    if flow is None:
+        return NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
+    if not flow.pure:   # the labels it carries shift whole rows, which a LayerNorm ignores: not held back
+        return NormInput({label: frozenset() for label in flow.labels - flow.carried}, flow.opaque)
+    if flow.zero:
+        return NormInput({})
+    if flow.codes is None and flow.hd != -1:
+        return NormInput({}, "normalisation over a dim other than the hidden one")
+    if flow.codes is None:
+        for label in flow.labels:
+            widths.setdefault(label, x.shape[-1])
+        return NormInput({label: frozenset({(0, x.shape[-1])}) for label in flow.labels})
+    for labels, w in flow.parts:
+        for label in labels:
+            widths.setdefault(label, w)
+    return norm_input(flow)
+
+
 def norm_input(flow: Flow) -> NormInput:
     """Per label, the channel ranges a norm's rows cover when its input is a rearrangement (`flow.codes`).
 

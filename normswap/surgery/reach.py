@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 
 from torch import nn
+
+from normswap.surgery.source import class_tree, own_classes
+from normswap.surgery.uncalled import reads_only_off_forward
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
@@ -41,17 +43,11 @@ def _names(path: str) -> set[str] | None:
     return found
 
 
-def _own_classes(module: nn.Module) -> list[type]:
-    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
-    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
-            not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
-
-
 def read_names(model: nn.Module) -> set[str] | None:
     """Every attribute name the model's own classes read (see the module docstring); None: all of them."""
     files = set()
     for module in model.modules():
-        for cls in _own_classes(module):
+        for cls in own_classes(module):
             try:
                 files.add(inspect.getsourcefile(cls))
             except (TypeError, OSError):
@@ -84,14 +80,6 @@ def dead(model: nn.Module, param: str, names: set[str] | None) -> bool:
         and last not in names
 
 
-def _class_tree(cls: type) -> ast.ClassDef | None:
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    except (TypeError, OSError, SyntaxError, IndexError):
-        return None
-    return node if isinstance(node, ast.ClassDef) else None
-
-
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name) \
         and node.value.id == "self"
@@ -119,12 +107,12 @@ def _optional(fn: ast.FunctionDef) -> dict[str, int]:
 def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
     """{argument: position} of the optional forward arguments that every read of `self.<attr>` in the owner's
     code sits under an `if <argument> is not None:`; None if some read is not so gated (or read elsewhere)."""
-    defining = next((c for c in _own_classes(owner) if "forward" in vars(c)), None)
+    defining = next((c for c in own_classes(owner) if "forward" in vars(c)), None)
     if defining is None:
         return None
     gates: dict[str, int] | None = None
-    for cls in _own_classes(owner):
-        tree = _class_tree(cls)
+    for cls in own_classes(owner):
+        tree = class_tree(cls)
         if tree is None:
             return None
         for item in tree.body:
@@ -153,12 +141,12 @@ def _passed(parent: nn.Module, child: str, gates: dict[str, int]) -> dict[str, i
     """How the parent's code hands `gates` to `self.<child>`: {} never; {name: position} only as its own
     optional forward arguments of those names, passed on unchanged from its forward; None any other way (a
     computed value, a splat, the child handed out or called elsewhere with them)."""
-    classes = _own_classes(parent)
+    classes = own_classes(parent)
     if not classes:
         return None
     out: dict[str, int] = {}
     for cls in classes:
-        tree = _class_tree(cls)
+        tree = class_tree(cls)
         if tree is None:
             return None
         parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
@@ -214,10 +202,10 @@ def _flagged_off(owner: nn.Module, attr: str) -> bool:
     that is falsy now and that nothing sets outside an `__init__` (the owner's classes through `self`, any code of
     their files through another name; a constructor switch:
     MONAI's `with_cross_attention`): no input can run it."""
-    classes = _own_classes(owner)
+    classes = own_classes(owner)
     flags: set[str] | None = None
     for cls in classes:
-        tree = _class_tree(cls)
+        tree = class_tree(cls)
         if tree is None:
             return False
         reads = [n for n in ast.walk(tree) if _is_self_attr(n, attr) and isinstance(n.ctx, ast.Load)]
@@ -238,7 +226,7 @@ def _flagged_off(owner: nn.Module, attr: str) -> bool:
         files = [ast.parse(open(inspect.getsourcefile(c), encoding="utf-8").read()) for c in classes]
     except (TypeError, OSError, SyntaxError, UnicodeDecodeError):
         return False
-    trees = [_class_tree(c) for c in classes]
+    trees = [class_tree(c) for c in classes]
     return any(isinstance(getattr(owner, flag, True), (bool, int, type(None))) and not getattr(owner, flag, True)
                and not any(_stores(tree, flag, own=False) for tree in files)
                and not any(_stores(tree, flag, own=True) for tree in trees) for flag in flags)
@@ -248,8 +236,8 @@ def _only_in_forward(owner: nn.Module, attr: str) -> bool:
     """True if the owner's own code reads `self.<attr>` only inside its `forward` methods, and never runs its own
     forward (`self(...)`, `self.forward`, `self.__call__`) from elsewhere."""
     found = False
-    for cls in _own_classes(owner):
-        tree = _class_tree(cls)
+    for cls in own_classes(owner):
+        tree = class_tree(cls)
         if tree is None:
             return False
         forwards = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "forward"
@@ -270,11 +258,11 @@ def _never_called(parent: nn.Module, child: str) -> bool:
     """True if the parent's own code uses `self.<child>` only to reach its attributes (`self.child.proj`), never
     calling it (`self.child(...)`, `.forward`, `.__call__`) nor handing it out (vit-pytorch's MAE runs its
     encoder's pieces by hand)."""
-    classes = _own_classes(parent)
+    classes = own_classes(parent)
     if not classes:
         return False
     for cls in classes:
-        tree = _class_tree(cls)
+        tree = class_tree(cls)
         if tree is None:
             return False
         ups = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
@@ -296,112 +284,19 @@ def uncalled_forward(model: nn.Module, name: str) -> bool:
         owner, parent = model.get_submodule(owner_name), model.get_submodule(parent_name)
         holders = sum(m is owner for _, m in model.named_modules(remove_duplicate=False))
         if holders == 1 and not isinstance(parent, CONTAINERS) and getattr(parent, parts[i - 1], None) is owner \
-                and _own_classes(owner) and _only_in_forward(owner, parts[i]) and _never_called(parent, parts[i - 1]):
+                and own_classes(owner) and _only_in_forward(owner, parts[i]) and _never_called(parent, parts[i - 1]):
             return True
     return False
 
 
-def _named(node: ast.AST, own: bool = False) -> str | None:
-    """The name `node` reads: an attribute (`x.m`; with `own`, only `self.m` and `super().m`) or a string
-    (`getattr(self, "m")`)."""
-    if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-        base = node.value
-        mine = isinstance(base, ast.Name) and base.id == "self" or isinstance(base, ast.Call) and \
-            isinstance(base.func, ast.Name) and base.func.id == "super"
-        return node.attr if mine or not own else None
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
-
-
-SELF_SAFE = {"type", "isinstance", "super", "id"}   # calls that take `self` and run none of its methods
-
-
-def _handed_self(node: ast.AST, up: ast.AST | None, cls: type) -> object:
-    """For a bare `self` given to other code (not `self.x`, `type(self)`, `getattr(self, "x")`): the function of
-    the class's module it is passed to (ModelMixin's `get_parameter_dtype(self)`), or None when that is not one
-    (a method, a callable from elsewhere: it could run any method). False: not such a use."""
-    if not (isinstance(node, ast.Name) and node.id == "self") or isinstance(up, ast.Attribute):
-        return False
-    call = isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
-    if call and (up.func.id in SELF_SAFE or up.func.id in ("getattr", "hasattr") and len(up.args) > 1
-                 and isinstance(up.args[1], ast.Constant)):
-        return False
-    fn = getattr(inspect.getmodule(cls), "__dict__", {}).get(up.func.id) if call else None
-    return fn if inspect.isfunction(fn) else None
-
-
-def _unreached(classes: list[type]) -> tuple[dict[str, list], list] | None:
-    """The methods of `classes` that neither a call nor the constructor runs: not `forward`, not a special method
-    (`__call__`, `__init__`, `__getattr__`: Python runs them unnamed), not named through `self` (or `super()`) by
-    the class bodies or by a method that runs, transitively: (name -> definitions, the functions that running
-    code hands `self` to); None if a class cannot be read or running code hands `self` to something else."""
-    methods: dict[str, list] = {}
-    todo: list[tuple[ast.AST, type]] = []
-    for cls in classes:
-        tree = _class_tree(cls)
-        if tree is None:
-            return None
-        for item in tree.body:
-            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                methods.setdefault(item.name, []).append((item, cls))
-            else:
-                todo.append((item, cls))
-    seen = {n for n in methods if n == "forward" or n.startswith("__") and n.endswith("__")}
-    todo += [f for n in seen for f in methods[n]]
-    helpers = []
-    while todo:
-        item, cls = todo.pop()
-        ups = {id(c): p for p in ast.walk(item) for c in ast.iter_child_nodes(p)}
-        for node in ast.walk(item):
-            if (fn := _handed_self(node, ups.get(id(node)), cls)) is None:
-                return None
-            if fn is not False:
-                helpers.append(fn)
-            name = _named(node, own=True)
-            if name in methods and name not in seen:
-                seen.add(name)
-                todo += methods[name]
-    return {n: [f for f, _ in fns] for n, fns in methods.items() if n not in seen}, helpers
-
-
-def _named_count(trees: list[ast.AST], names: set[str]) -> int:
-    return sum(_named(node) in names for tree in trees for node in ast.walk(tree))
-
-
-def _source_trees(objs) -> list[ast.AST] | None:
-    try:
-        return [ast.parse(textwrap.dedent(inspect.getsource(o))) for o in objs]
-    except (TypeError, OSError, SyntaxError):
-        return None
-
-
-def _off_forward(model: nn.Module, owner_name: str, attr: str) -> bool:
-    """True if the owner's own code reads `<attr>` only in methods that neither its call nor its constructor runs
-    (`_unreached`: diffusers' PriorTransformer reads clip_mean only in `post_process_latents`, which its forward
-    never calls), and neither another module class of the model (a parent calling them) nor a function that
-    running code hands `self` to names those methods. A user may still call such a method: what it reads did not
-    run in the forward, so the plan edits none of it."""
-    owner = model.get_submodule(owner_name)
-    classes = _own_classes(owner)
-    found = _unreached(classes) if classes else None
-    if found is None:
-        return False
-    unreached, helpers = found
-    readers = {n for n, fns in unreached.items() if _named_count(fns, {attr})}
-    if not readers or _named_count(_source_trees(classes) or [], {attr}) != \
-            _named_count([f for n in readers for f in unreached[n]], {attr}):
-        return False
-    others = {c for module in model.modules() for c in _own_classes(module)} - set(classes)
-    trees = _source_trees([*others, *set(helpers)])
-    return trees is not None and not _named_count(trees, readers)
-
-
 def off_forward(model: nn.Module, name: str) -> bool:
     """True if a module on the path to `name` (a module or a parameter) reads the next step only in methods its
-    call never runs (`_off_forward`)."""
+    call never runs (`uncalled.reads_only_off_forward`)."""
     parts = name.split(".")
     for i in range(len(parts)):
         owner_name = ".".join(parts[:i])
-        if not isinstance(model.get_submodule(owner_name), CONTAINERS) and _off_forward(model, owner_name, parts[i]):
+        if not isinstance(model.get_submodule(owner_name), CONTAINERS) and \
+                reads_only_off_forward(model, owner_name, parts[i]):
             return True
     return False
 
@@ -412,7 +307,7 @@ def switched_off(model: nn.Module, name: str) -> bool:
     parts = name.split(".")
     for i in range(len(parts)):
         owner = model.get_submodule(".".join(parts[:i]))
-        if not isinstance(owner, CONTAINERS) and _own_classes(owner) and _flagged_off(owner, parts[i]):
+        if not isinstance(owner, CONTAINERS) and own_classes(owner) and _flagged_off(owner, parts[i]):
             return True
     return False
 

@@ -13,7 +13,7 @@ from normswap.models.introspect import floating_buffers, in_width, is_scale, nor
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
-from normswap.surgery.flow import OTHER, ZERO, Flow, NormInput, Trace, channel_dim, channels_read, norm_input, opaque
+from normswap.surgery.flow import OTHER, ZERO, Flow, Trace, channel_dim, channels_read, norm_call, opaque
 from normswap.surgery.labels import Label, User
 from normswap.surgery.rules import IGNORE
 from normswap.surgery.tensormap import TensorMap
@@ -348,24 +348,7 @@ class Recorder(TorchFunctionMode):
             self.use(x, flow, user)
 
     def _norm_input(self, name: str, x, flow: Flow | None) -> None:
-        if flow is None:
-            call = NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
-        elif not flow.pure:   # the labels it carries shift whole rows, which a LayerNorm ignores: not held back
-            call = NormInput({label: frozenset() for label in flow.labels - flow.carried}, flow.opaque)
-        elif flow.zero:
-            call = NormInput({})
-        elif flow.codes is None and flow.hd != -1:
-            call = NormInput({}, "normalisation over a dim other than the hidden one")
-        elif flow.codes is None:
-            w = x.shape[-1]
-            call = NormInput({label: frozenset({(0, w)}) for label in flow.labels})
-            for label in flow.labels:
-                self.trace.widths.setdefault(label, w)
-        else:
-            call = norm_input(flow)
-            for labels, w in flow.parts:
-                for label in labels:
-                    self.trace.widths.setdefault(label, w)
+        call = norm_call(x, flow, self.trace.widths)
         for label in [*call.sources, *(flow.carried if flow is not None else ())]:
             self.trace.fed_norms[label].add(name)
         self.trace.calls[name].append(call)
