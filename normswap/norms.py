@@ -106,3 +106,9 @@ def off_fast_path(model: nn.Module) -> list[str]:
         if isinstance(m, nn.TransformerEncoder) and any(layer in off.values() for layer in m.layers):
             m.use_nested_tensor = False
     return list(off)
+
+
+def fast_path_flags(model: nn.Module) -> list[tuple[nn.Module, str, object]]:
+    """(module, attribute, value) of every flag `off_fast_path` may change, to put back as they were."""
+    return [(m, a, getattr(m, a)) for m in model.modules() for a in ("activation_relu_or_gelu", "use_nested_tensor")
+            if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerEncoder)) and hasattr(m, a)]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 
 from normswap.cli import main
 
@@ -21,7 +22,7 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 MAKE_DEMO_OUT = re.search(r"^DEMO_OUT \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
 # What a page may read without writing it: the bundled model, the folder `make demo` writes, the user's own
 # model folder (the python blocks get the demo model saved by transformers there) and text files
-GIVEN = {"normswap-demo", MAKE_DEMO_OUT, "gpt2-folder"}
+GIVEN = {"normswap-demo", MAKE_DEMO_OUT, "gpt2-folder", "llama-folder"}   # the last two: a user's own folders
 READS = {"convert", "heal", "export", "eval", "inspect", "generate", "rotate", "plot"}   # verb SRC ...
 NEEDS = re.compile(r"#\s*needs:\s*(hub|gpu)\b")   # a python block's first line: the tests skip it
 
@@ -154,13 +155,21 @@ def test_few_blocks_are_left_out():
 @pytest.fixture(scope="module")
 def given(tmp_path_factory):
     """The folders and files the pages name as given: the demo model saved by transformers (`gpt2-folder/`, the
-    user's own model), the folder `make demo` writes, and a text (`my.txt`, `held.txt`)."""
+    user's own model), a tiny Llama (`llama-folder/`: a model that is RMSNorm already), the folder `make demo`
+    writes, and a text (`my.txt`, `held.txt`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     import normswap
 
     root = tmp_path_factory.mktemp("given")
     model, tokenizer = normswap.load_model("normswap-demo")
     model.save_pretrained(root / "gpt2-folder")
     tokenizer.save_pretrained(root / "gpt2-folder")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+                     ).save_pretrained(root / "llama-folder")
+    tokenizer.save_pretrained(root / "llama-folder")
     normswap.convert_checkpoint("normswap-demo", root / MAKE_DEMO_OUT, normswap.ConvertOptions(to="rmsnorm"))
     text = (Path(normswap.__file__).parent / "demo" / "heal.txt").read_text()
     for name in ("my.txt", "held.txt"):

@@ -15,7 +15,7 @@ from normswap.pipeline.options import RotateOptions
 @click.option("-o", "--output", "out", required=True, type=click.Path(), help="Folder to write.")
 @shared(RotateOptions)
 def rotate(src, out, opts: Shared, options: RotateOptions):
-    """Rotate the residual streams of SRC, a model converted exactly, for quantization; save it to OUT.
+    """Rotate the residual streams of SRC (converted exactly, or RMSNorm already) for quantization; save to OUT.
 
     Outputs are kept (verified); the weights' outliers spread over the channels (SliceGPT, QuaRot)."""
     result = verbs.rotate(src, out, options)

@@ -29,6 +29,10 @@ def fuse(model, target: str) -> dict[str, int]:
         with contextlib.suppress(ImportError):  # private module: absent in some onnxscript versions
             from onnxscript.rewriter.rules.fusion._rms_normalization import fuse_rms_normalization
             applied["rms_norm"] = fuse_rms_normalization(model)
+    # A Skip node takes its norm's place and also outputs the residual sum, which a node between the Add and the
+    # norm (another branch reading the stream: TNT's inner/outer blocks) read: sort again (stable) for the checker.
+    for graph in (model.graph, *model.functions.values()):
+        graph.sort()
     return applied
 
 

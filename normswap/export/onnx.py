@@ -171,6 +171,16 @@ def _main_output(model: nn.Module) -> str:
     raise NormswapError(f"{original_class(model).__name__} returns neither logits nor last_hidden_state")
 
 
+def _keep_input_names(model, names: list[str]) -> None:
+    """Give the graph's inputs the names asked for: where the forward returns an input unchanged, the exporter
+    renames that input `<output>_orig` (one value cannot be both), and the output becomes an Identity of it.
+    By position: the exporter keeps every input, in order (even one the forward does not read)."""
+    if len(model.graph.inputs) != len(names):
+        raise RuntimeError(f"the exported graph has {len(model.graph.inputs)} inputs for {len(names)} given")
+    for value, name in zip(model.graph.inputs, names):
+        value.name = name
+
+
 def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list[str], list[str]], dyn,
             target: str, opset: int):
     """torch.onnx (dynamo) with norms lowered to fused nodes, then the library fusions; (ONNXProgram, rewrites)."""
@@ -195,6 +205,7 @@ def _dynamo(wrapper: nn.Module, model: nn.Module, args: tuple, names: tuple[list
     # ORT for batch > 1 (cos/sin cache keeps batch 1): run the same optimiser without those fusions.
     import onnxscript.optimizer
     onnxscript.optimizer.optimize_ir(prog.model)
+    _keep_input_names(prog.model, names[0])
     rewrites = fuse.fuse(prog.model, target)
     fuse.drop_trailing_empty_inputs(prog.model)
     return prog, rewrites
@@ -209,10 +220,10 @@ def _export(wrapper: nn.Module, model: nn.Module, with_past: bool, names: tuple[
     return prog, rewrites
 
 
-def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes: dict | None = None):
+def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes: dict | None, report: ExportReport):
     """Any module's graph on an example batch: its inputs' dims (`axes`: only those named there) dynamic where
-    the model allows it, else (where torch.export fails with them) the example's shapes; (ONNXProgram,
-    rewrites, output names)."""
+    the model allows it, else (where torch.export fails with them, or `report.fixed_shapes` says why not) the
+    example's shapes; (ONNXProgram, rewrites, output names)."""
     flat = wrap.flat_inputs(batch)
     args = tuple(t for _, t in flat)
     names = ([n for n, _ in flat], wrap.output_names(model, batch))
@@ -221,10 +232,24 @@ def _export_module(model: nn.Module, batch: dict, target: str, opset: int, axes:
                             "to export")
     wrapper = wrap.Flat(model, batch)
     dyn = wrap.auto_shapes(args, axes and [axes.get(n, ()) for n in names[0]])
-    try:
-        return (*_dynamo(wrapper, model, args, names, dyn, target, opset), names[1])
-    except NormswapError:   # dynamic shapes it cannot trace: the example's own
-        return (*_dynamo(wrapper, model, args, names, None, target, opset), names[1])
+    if report.fixed_shapes is None:
+        try:
+            return (*_dynamo(wrapper, model, args, names, dyn, target, opset), names[1])
+        except NormswapError as e:   # dynamic shapes it cannot trace: the example's own
+            report.fixed_shapes = f"torch.export cannot trace its dynamic dims ({e})"
+    return (*_dynamo(wrapper, model, args, names, None, target, opset), names[1])
+
+
+def _module_graph(reference: nn.Module, work: nn.Module, example_inputs, axes: dict | None, report: ExportReport):
+    """A module's graph on its example inputs: (ONNXProgram, the graph in PyTorch for its fingerprint, the
+    example batches, output names)."""
+    from normswap.export import onnx_fingerprint   # onnx is an optional extra: imported when exporting
+
+    batches = as_batches(reference, example_inputs)
+    prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], report.target,
+                                                  report.opset, axes, report)
+    report.output = ", ".join(names)
+    return prog, onnx_fingerprint.for_module(reference, batches[0], names), batches, names
 
 
 def _weight_bytes(model: nn.Module, fp16: bool) -> int:
@@ -259,7 +284,7 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
     quantize "int8": the validated file is then replaced by its int8 quantization, measured (`export.quantize`)."""
     from normswap.export import onnx_fingerprint   # onnx is an optional extra: imported when exporting
     from normswap.export import quantize as int8
-    from normswap.export.validate import validate_export, validate_module
+    from normswap.export.validate import GrownFails, validate_export, validate_module
 
     modes = contextlib.ExitStack()   # eval, every module's own flag back after it
     modes.enter_context(eval_mode(model))
@@ -270,26 +295,32 @@ def build(model: nn.Module, staged: Path, final: Path, target: str, fp16: bool, 
         reference = model if next(model.parameters()).dtype == torch.float32 else copy.deepcopy(model).float()
         work = copy.deepcopy(reference).half() if fp16 else reference
         report = ExportReport(str(final), target, opset, fp16, with_past, "", norms=count_norms(work))
-        if example_inputs is None:
-            prog, traced = _build_hf(reference, work, report)
-        else:
-            batches = as_batches(reference, example_inputs)
-            prog, report.rewrites, names = _export_module(work, as_batches(work, batches[:1])[0], target, opset,
-                                                            axes)
-            report.output = ", ".join(names)
-            traced = onnx_fingerprint.for_module(reference, batches[0], names)
-        stamp = onnx_fingerprint.stamp(traced, prog.model, onnx_fingerprint.model_probe(model, saved),
-                                       "float16" if fp16 else "float32", saved)
-        report.fingerprint = onnx_fingerprint.summary(stamp)
-        prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16),
-                                          onnx_fingerprint.META: json.dumps(stamp)})
-        # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
-        report.external_data = _weight_bytes(work, fp16) > external_data_bytes
-        prog.save(staged, external_data=report.external_data)
-        if validate and example_inputs is None:
-            validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
-        elif validate:
-            validate_module(staged, report, reference, batches, names, FP32_TOL, FP16_TOL)
+        while True:   # a module's graph once more, of the example's shapes, where a dynamic dim does not hold
+            if example_inputs is None:
+                prog, traced = _build_hf(reference, work, report)
+            else:
+                prog, traced, batches, names = _module_graph(reference, work, example_inputs, axes, report)
+            stamp = onnx_fingerprint.stamp(traced, prog.model, onnx_fingerprint.model_probe(model, saved),
+                                           "float16" if fp16 else "float32", saved)
+            report.fingerprint = onnx_fingerprint.summary(stamp)
+            prog.model.metadata_props.update({owned.ONNX_MARK: target, "normswap.fp16": str(fp16),
+                                              onnx_fingerprint.META: json.dumps(stamp)})
+            # Weights beside the graph (model.onnx.data) for big models: protobuf stops at 2 GB.
+            report.external_data = _weight_bytes(work, fp16) > external_data_bytes
+            prog.save(staged, external_data=report.external_data)
+            if validate and example_inputs is None:
+                validate_export(staged, report, reference, fp16, FP32_TOL, FP16_TOL)
+            elif validate:
+                try:
+                    validate_module(staged, report, reference, batches, names, FP32_TOL, FP16_TOL)
+                except GrownFails as e:
+                    if report.fixed_shapes is not None:   # the example's shapes already: nothing to fall back to
+                        raise
+                    report.fixed_shapes, report.parity = f"a dynamic dim does not hold in onnxruntime ({e})", []
+                    continue
+            break
+        if report.fixed_shapes:
+            warn_caller(f"{final}: exported for the example's input shapes only: {report.fixed_shapes}")
         if quantize:
             report.quantized = int8.quantize(staged, report, reference, *((batches, names) if example_inputs
                                                                            is not None else ()))

@@ -24,6 +24,7 @@ class ExportReport:
     latency_ms: float | None = None                          # ORT CPU, batch 1, 32 tokens, median
     quantized: dict | None = None                            # int8: what `quantize.quantize` measured
     fingerprint: dict = field(default_factory=dict)          # in the file's metadata: `onnx_fingerprint.summary`
+    fixed_shapes: str | None = None                          # why the graph keeps the example's input shapes
     validated: bool = False
 
     @property
@@ -44,6 +45,8 @@ class ExportReport:
         norms = ", ".join(f"{v} {k}" for k, v in self.norms.items() if v and k != "lowered") or "none"
         fused = ", ".join(f"{v} {k}" for k, v in sorted(self.fused.items())) or "none"
         lines.append(f"norms in model: {norms}; norm nodes in ORT-optimised graph: {fused}")
+        if self.fixed_shapes:
+            lines.append(f"inputs of the example's fixed shapes only: {self.fixed_shapes}")
         if self.norms.get("prmsnorm"):
             lines.append("pRMSNorm has no fused ONNX op: exported op by op (Slice, Pow, ReduceMean, Sqrt, Div)")
         for r in self.parity:   # a module exported on example inputs: per output and batch (`validate_module`)

@@ -21,8 +21,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, onnx_fingerprint, translate, wrap
-from normswap.models.introspect import is_rms_norm
-from normswap.norms import PartialRMSNorm
+from normswap.export.norm_nodes import check_fused, constant_calls, norm_calls
 from normswap.parity import tensors
 
 SIZES = ((1, 7), (3, 33))
@@ -204,20 +203,6 @@ def opened(staged: Path, report):
         raise NormswapError(f"onnxruntime cannot load the export: {first_line(e)[:300]}") from None
 
 
-def check_fused(report, n: dict[str, int], repeats: dict[str, int] | None = None) -> None:
-    """One fused node per norm: `n` norms ("rmsnorm", "layernorm"), less the `repeats` of another's computation
-    (`norm_calls`), vs the nodes in the optimised graph."""
-    repeats = repeats or {}
-    want = {k: n[k] - repeats.get(k, 0) for k in ("rmsnorm", "layernorm")}
-    rms_nodes = sum(report.fused.get(k, 0) for k in fuse.RMS_OPS)
-    ln_nodes = sum(report.fused.get(k, 0) for k in fuse.LN_OPS)
-    if rms_nodes != want["rmsnorm"] or ln_nodes != want["layernorm"]:
-        shared = f" ({sum(repeats.values())} of them computing what another does)" if any(repeats.values()) else ""
-        raise NormswapError(f"fused norm nodes do not match the model: {n['rmsnorm']} RMSNorm vs {rms_nodes} "
-                            f"fused RMS nodes, {n['layernorm']} LayerNorm vs {ln_nodes} LayerNormalization nodes"
-                            + shared)
-
-
 def check_stamp(sess, report) -> None:
     """The export's fingerprint holds in `sess` (FingerprintFailed where not); the report says it was checked."""
     if onnx_fingerprint.holds(sess, "the exported graph") is None:
@@ -265,42 +250,6 @@ def validate_export(staged: Path, report, reference: nn.Module, fp16: bool, fp32
     check_stamp(sess, report)
     report.latency_ms = latency_ms(sess, reference, report.with_past, np_dtype)
     report.validated = True
-
-
-def _norm_kinds(model: nn.Module) -> dict[nn.Module, str]:
-    return {m: "rmsnorm" if is_rms_norm(m) and not isinstance(m, PartialRMSNorm) else "layernorm"
-            for m in model.modules() if is_rms_norm(m) or isinstance(m, nn.LayerNorm)}
-
-
-@torch.no_grad()
-def norm_calls(model: nn.Module, batch: dict) -> tuple[dict[str, int], dict[str, int]]:
-    """({kind: calls}, {kind: repeats}) of the norms `model(**batch)` calls, kinds "rmsnorm" (exports as one fused
-    RMS node) and "layernorm" (a norm called twice is two nodes; one never called, none). A repeat computes what
-    an earlier call computed: the same input tensor, the same kind, eps and weight values (a parallel block's two
-    norms once a rotation set both gains to 1); the exporter's common-subexpression elimination keeps one node."""
-    counts, repeats = {"rmsnorm": 0, "layernorm": 0}, {"rmsnorm": 0, "layernorm": 0}
-    seen, inputs = set(), []   # inputs held until the forward ends: no later tensor reuses an address seen
-
-    def counter(kind: str):
-        def hook(module, args, _):
-            counts[kind] += 1
-            x, w = (args[0] if args else None), getattr(module, "weight", None)
-            if not isinstance(x, torch.Tensor):
-                return
-            key = (kind, x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, getattr(module, "eps", None),
-                   getattr(module, "variance_epsilon", None),
-                   None if w is None else (w.dtype, w.detach().cpu().numpy().tobytes()))
-            repeats[kind] += key in seen
-            seen.add(key)
-            inputs.append(x)
-        return hook
-    handles = [m.register_forward_hook(counter(kind)) for m, kind in _norm_kinds(model).items()]
-    try:
-        model(**batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return counts, repeats
 
 
 def _growths(sess) -> list[tuple[str, str]]:
@@ -353,6 +302,11 @@ def module_parity(sess, reference: nn.Module, batch: dict, names: list[str], wha
     return rows
 
 
+class GrownFails(NormswapError):
+    """The graph fails on the example grown along a dynamic dim (it holds on the examples): the exporter made
+    that dim dynamic, but the model's graph does not hold for other sizes (a cache sized on an earlier call)."""
+
+
 def _runs(sess, reference: nn.Module, batches: list[dict]):
     """(batch, what) to compare on: each example batch, then the first grown, where PyTorch runs it."""
     yield from ((b, _described(b, f"example batch {i}")) for i, b in enumerate(batches))
@@ -371,18 +325,21 @@ def validate_module(staged: Path, report, reference: nn.Module, batches: list[di
     """`validate_export` for a module exported on example inputs (`batches`, bound and placed for `reference`,
     the fp32 model); every output within fp32_tol * max |output| (fp16: fp16_tol * max(1, max |output|))."""
     sess = opened(staged, report)
-    calls, repeats = norm_calls(reference, batches[0])
-    check_fused(report, calls, repeats)
+    check_fused(report, *norm_calls(reference, batches[0]), constant_calls(reference, batches[0]))
     np_dtype = np.float16 if report.fp16 else np.float32
-    for batch, what in _runs(sess, reference, batches):
-        rows = module_parity(sess, reference, batch, names, what, np_dtype)
+    for i, (batch, what) in enumerate(_runs(sess, reference, batches)):
+        error = NormswapError if i < len(batches) else GrownFails   # the examples come first
+        try:
+            rows = module_parity(sess, reference, batch, names, what, np_dtype)
+        except NormswapError as e:
+            raise error(str(e)) from None
         report.parity += rows
         for r in rows:
             tol = fp16_tol * max(1.0, r["ref_max"]) if report.fp16 else fp32_tol * r["ref_max"]
             r["tolerance"] = tol
             if not r["finite"] or r["max_abs"] > tol:
-                raise NormswapError(f"ORT output {r['output']} differs from PyTorch on {what}: max |Δ| "
-                                    f"{r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
+                raise error(f"ORT output {r['output']} differs from PyTorch on {what}: max |Δ| "
+                            f"{r['max_abs']:.3e} > {tol:.1e}" + ("" if r["finite"] else " (non-finite)"))
     check_stamp(sess, report)
     report.tolerance = fp16_tol if report.fp16 else fp32_tol
     report.validated = True

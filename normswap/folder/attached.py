@@ -25,6 +25,13 @@ def section(model: nn.Module) -> dict | None:
     return getattr(owner, "normswap" if owner is not model else ATTRIBUTE, None) or None
 
 
+def clear_section(model: nn.Module) -> None:
+    """`model` without a normswap section (as before its first conversion)."""
+    if has_config(model):
+        model.config.__dict__.pop("normswap", None)
+    model.__dict__.pop(ATTRIBUTE, None)
+
+
 def set_section(model: nn.Module, value: dict) -> None:
     if has_config(model):
         model.config.normswap = value

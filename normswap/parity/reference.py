@@ -81,7 +81,9 @@ def _record(ref: Reference, model: nn.Module, i: int, batch: dict, skip: dict | 
         runs = by_rows(partial(run, model, seed=i), batch)
     except Exception as e:
         raise unrunnable(model, e, batch) from None
-    mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    # sparse tensors (Whisper's alignment_heads buffer) have no storage: an edit never writes into one
+    mine = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+            if not t.is_meta and t.layout == torch.strided}
     while runs:
         x, result = runs.pop(0)
         ref.output = main_output(result)[0]
@@ -98,6 +100,8 @@ def _record(ref: Reference, model: nn.Module, i: int, batch: dict, skip: dict | 
 def _owned(v: torch.Tensor, mine: set[int]) -> torch.Tensor:
     """v detached, copied only where it is a view or a model's own tensor (`mine`: their storages' addresses,
     which an in-place edit would change): copying every output held two of each (a big vocabulary's logits)."""
+    if v.layout != torch.strided:   # no storage to share with the model
+        return v.detach().clone()
     storage = v.untyped_storage()
     view = v._base is not None or storage.nbytes() != v.numel() * v.element_size()
     return v.detach().clone() if view or storage.data_ptr() in mine else v.detach()

@@ -61,7 +61,7 @@ class Deferred:
     that reads each module's weights just before it runs; applied by recording each layer's edits."""
 
     def __init__(self, lazy: Lazy, inputs: list[dict]):
-        self.lazy, self.batches = lazy, inputs
+        self.lazy, self.batches, self.seen = lazy, inputs, {}   # seen: the trace, for plans with fewer norms
 
     def inputs(self, model: nn.Module) -> list[dict]:
         return self.batches
@@ -70,7 +70,7 @@ class Deferred:
         handles = self.lazy.attach(model)
         try:
             with LoadOnUse(self.lazy):
-                return exact.plan(model, sites, self.batches)
+                return exact.plan(model, sites, self.batches, seen=self.seen)
         finally:
             for h in handles:
                 h.remove()

@@ -75,6 +75,10 @@ class RotateOptions:
              "random orthogonal matrix."))
     seed: int = field(default=0, metadata=dict(flag="--seed", type=int, show_default=True,
                                                help="Draws the Hadamard signs or the random matrix."))
+    heads: bool = field(default=False, metadata=dict(   # QuaRot's R2 (`surgery.heads`)
+        flag="--heads", is_flag=True,
+        help="Also rotate each attention head's values and the output projection reading them (QuaRot's R2, "
+             "folded into their weights)."))
     load: LoadOptions = LoadOptions()
     device: str = field(default="auto", metadata=DEVICE)   # where the model is rotated and verified
     example_inputs: object = field(default=None, metadata=dict(

@@ -1,4 +1,5 @@
-"""`rotate_checkpoint`: what `normswap rotate` runs, for Python callers too: load an exactly converted SRC,
+"""`rotate_checkpoint`: what `normswap rotate` runs, for Python callers too: load SRC (converted exactly, or
+RMSNorm already: a Llama, Qwen, Mistral, Gemma... folder, saved again as its own architecture),
 rotate its residual streams (`surgery.rotate`), verified against its own outputs, and save it to OUT (written
 in a temporary folder and renamed: nothing appears, nothing is lost, if any step fails)."""
 from __future__ import annotations
@@ -31,8 +32,9 @@ class RotateResult:
 
 
 def rotate_checkpoint(src: str, out: str | Path, options: RotateOptions = DEFAULTS) -> RotateResult:
-    """Rotate the exactly converted model at `src` (a folder `normswap convert --method exact` wrote, or a Hub
-    id of one) and save it to `out`; refused, naming the part, where it cannot be rotated exactly."""
+    """Rotate the model at `src` (a folder `normswap convert --method exact` wrote, a model that is RMSNorm
+    already, or a Hub id of one) and save it to `out`; refused, naming the part, where it cannot be rotated
+    exactly."""
     o, out = options, str(out)
     if o.method not in METHODS:
         raise NormswapError(f"unknown rotation method '{o.method}': choose hadamard or random")
@@ -49,7 +51,7 @@ def rotate_checkpoint(src: str, out: str | Path, options: RotateOptions = DEFAUL
     check_examples(examples)
     model, tokenizer = load_model(src, options=o.load)
     model.to(device)
-    report = rotate(model, o.method, o.seed, examples)
+    report = rotate(model, o.method, o.seed, examples, o.heads)
     save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size,
                     source=source_folder(src))
     return RotateResult(report, out)

@@ -107,17 +107,18 @@ def _heal_path(src: PathLike, out: PathLike | None = None, options: HealCheckpoi
 
 def rotate(model: nn.Module | PathLike, out: PathLike | None = None, options: RotateOptions | None = None,
            **keywords) -> RotationReport | RotateResult:
-    """Rotate the residual streams of an exactly converted model for quantization, verified: `model` in place (a
-    RotationReport), or the model at the path `model` saved to `out` (a RotateResult; `normswap rotate`).
+    """Rotate the residual streams of a model converted exactly (or RMSNorm already: Llama, Qwen, Mistral,
+    Gemma...) for quantization, verified: `model` in place (a RotationReport), or the model at the path `model`
+    saved to `out` (a RotateResult; `normswap rotate`).
 
-    options: a RotateOptions, or its fields as keywords: method ("hadamard" | "random"), seed, example_inputs;
-    for a path also dtype, device, overwrite, max_shard_size.
+    options: a RotateOptions, or its fields as keywords: method ("hadamard" | "random"), seed, heads (QuaRot's R2
+    too), example_inputs; for a path also dtype, device, overwrite, max_shard_size.
     """
     o = options_from(RotateOptions, options, keywords)
     if _is_path(model):
         return rotate_checkpoint(os.fspath(model), _out(out), o)
-    _in_memory(o, ("method", "seed", "example_inputs"), out)
-    return rotate_model(model, o.method, o.seed, o.example_inputs)
+    _in_memory(o, ("method", "seed", "example_inputs", "heads"), out)
+    return rotate_model(model, o.method, o.seed, o.example_inputs, o.heads)
 
 
 # export_onnx's keywords for a model in memory beyond ExportOptions: validate=False skips onnxruntime's check,

@@ -93,7 +93,9 @@ def centre_outputs(model: nn.Module, target: Target, group: int, ranges: tuple =
 
 
 def scaled_outputs(layer: nn.Module, lam: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """(parameter, its float64 value with the layer's outputs *= lam per output channel): weight and bias."""
+    """(parameter, its float64 value with the layer's outputs *= lam per output channel): weight and bias. `lam`
+    may hold its channels in any one dim (a LayerScale shaped (1, 1, D), vit-pytorch's CaiT)."""
+    lam = lam.reshape(-1)
     dim = 1 if is_conv1d(layer) else 0
     shape = [-1 if d == dim else 1 for d in range(layer.weight.dim())]
     out = [(layer.weight, layer.weight.double() * lam.double().view(shape))]

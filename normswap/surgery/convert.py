@@ -14,10 +14,12 @@ from normswap.folder.attached import section as model_section
 from normswap.folder.attached import set_section
 from normswap.folder.section import new_section
 from normswap.models.wrapped import unwrapped
-from normswap.surgery.exact import InMemory, auto, exact
+from normswap.surgery.labels import Cause, Refusal
+from normswap.surgery.exact import InMemory, auto, auto_or_naive, exact
 from normswap.surgery.methods import BiasFate, ExactSteps, Method, MethodResult, naive
 from normswap.surgery.report import ConversionReport, NormRecord
 from normswap.surgery.trainable import kept_trainable
+from normswap.surgery.verification import VerificationFailed
 from normswap.surgery.walk import FilterFn, NormSite, Skip, Skipped, find_norms, replace_module
 
 METHODS = {Method.AUTO: auto, Method.EXACT: exact, Method.NAIVE: naive}
@@ -127,19 +129,43 @@ def convert_with(model: nn.Module, to: str = "rmsnorm", method: str = "auto", p:
         raise NormswapError(f"unknown method '{method}': choose one of {', '.join(sorted(Method.values()))}")
     method = Method(method)
     sites, skipped, rms = find_norms(model, filter_fn)
-    report = ConversionReport(to=to, method=method, p=p, already_rms=rms, skipped=skipped)
+
+    def report() -> ConversionReport:
+        return ConversionReport(to=to, method=method, p=p, already_rms=list(rms), skipped=list(skipped))
     if not sites:
-        return report, None
+        return report(), None
     for site in sites:  # before any edit: RMSNorm refuses eps <= 0 (NaN on an all-zero row)
         try:
             check_eps(site.eps)
         except ValueError as e:
             raise NormswapError(f"{site.name}: {e}") from None
     with kept_trainable(model):
-        result = METHODS[method](model, sites, steps)
+        # a failed verification puts the model back (`_finish`): under auto it is then converted naively
+        return auto_or_naive(method, lambda: _finish(model, sites, report(), METHODS[method](model, sites, steps),
+                                                     to, p, steps),
+                             lambda: _finish(model, sites, report(), naive(model, sites), to, p, steps),
+                             lambda done: done[0].warnings)
+
+
+def _finish(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult,
+            to: NormType, p: float | None, steps: ExactSteps) -> tuple[ConversionReport, MethodResult]:
+    """The norms swapped, the fixes installed and the result verified (exact, in memory); where verification
+    fails, the model put back as it was before raising."""
+    try:
         _swap(model, sites, report, result, to, p, steps)
         result.after_swap(model, report)   # fixes installed (exact), verified
+    except VerificationFailed as e:
+        if result.undo is None:
+            raise
+        result.undo.restore(model)
+        raise VerificationFailed(f"{e}; the model was put back as it was") from None
     return report, result
+
+
+def _kept_reason(refusal: Refusal) -> str:
+    if refusal.cause is Cause.UNREACHABLE:
+        return f"left as it is (a LayerNorm that never runs): {refusal}"
+    return f"kept as it is so that the rest converts exactly: {refusal}"
 
 
 def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, result: MethodResult, to: NormType,
@@ -150,9 +176,8 @@ def _swap(model: nn.Module, sites: list[NormSite], report: ConversionReport, res
     report.warnings += result.warnings
     report.not_preserved, report.unverified = result.not_preserved, result.unverified
     if result.kept:   # exact for the others; these could not be, and stay as they are
-        report.skipped += [Skipped(s.name, type(s.module).__name__, "kept as it is so that the rest converts exactly: "
-                                   f"{result.kept[s.name]}", Skip.KEPT, result.kept[s.name])
-                           for s in sites if s.name in result.kept]
+        report.skipped += [Skipped(s.name, type(s.module).__name__, _kept_reason(result.kept[s.name]), Skip.KEPT,
+                                   result.kept[s.name]) for s in sites if s.name in result.kept]
         sites = [s for s in sites if s.name not in result.kept]
     for site in sites:
         replace_module(model, site.name, _make_norm(site, to, p))

@@ -43,8 +43,9 @@ swapped, the converted model runs on the same inputs and a max relative error ab
 non-finite output, raises VerificationFailed: 1e-4 for fp32 models; fp16/bf16 models are cast to fp32 in
 place for both runs and cast back (a lossless round trip; peak memory is then the fp32 model), and since
 their rewritten weights are rounded when stored (measured up to ~7e-4 / ~5e-3) the tolerance is 2e-3 /
-2e-2. That failure comes after the edits: the in-memory model stays converted (discard it or reload; the
-CLI then converts the source again, naively, under `auto`: `auto_or_naive`, the one fallback).
+2e-2. That failure comes after the edits: the in-memory model is put back as it was (`undo`: the originals of only
+what the plan edits, kept before the edits) and, under `auto`, converted naively instead (`auto_or_naive`, the
+one fallback; a folder converted lazily is converted again from the source).
 
 The plan's steps are carried out by `interpret` (in memory here; recorded per layer for the lazy
 writer in `pipeline.lazy_convert`), and checked by `verification`.
@@ -69,6 +70,7 @@ from normswap.surgery.plan import NormPlan, Plan, derive, keepable
 from normswap.surgery.rehearse import rehearsal
 from normswap.surgery.steps import Step
 from normswap.surgery.trace import ForwardFailed, trace
+from normswap.surgery.undo import Undo
 from normswap.surgery.verification import TOLERANCE, VerificationFailed, fp32_eval, verify
 from normswap.surgery.walk import NormSite
 
@@ -106,20 +108,28 @@ def _refused(sites: list[NormSite], reason: Refusal) -> Plan:
 
 
 def plan(model: nn.Module, sites: list[NormSite], inputs: list[dict] | None = None,
-         examples=None) -> Plan:
+         examples=None, seen: dict | None = None) -> Plan:
     """Trace `model` on `inputs` (default: `model_inputs(model, examples)`: its samples and the user's examples,
     the ones verification uses), merge what every forward showed and derive the plan; the plan's `reason` is
-    set where a norm cannot be made exact, or the model has no input to trace it on or fails on them."""
+    set where a norm cannot be made exact, or the model has no input to trace it on or fails on them. `seen`
+    holds the trace for the next plan of the same unedited model with fewer norms (norms kept: `planned`),
+    which derives from it: a kept norm is still a norm there (it stays a LayerNorm)."""
+    held = seen.get("trace") if seen is not None else None
+    if held is not None and {s.name for s in sites} <= held[0]:
+        return derive(model, held[1], sites)
     if inputs is None:
         try:
             inputs = model_inputs(model, examples)
         except NoInputs as e:  # a model normswap cannot feed, and no example inputs
             return _refused(sites, Refusal(Cause.INPUTS, f"no sample input to trace it ({first_line(e, strip=True)})"))
     norms = {n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm) or norm_kind(m) == "rmsnorm"}
+    norms |= {s.name for s in sites}
     try:
-        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms | {s.name for s in sites})
+        t = trace(model, [inputs] if isinstance(inputs, dict) else list(inputs), norms)
     except ForwardFailed as e:  # the model's own forward failed on its inputs: say so instead of a traceback
         return _refused(sites, Refusal(Cause.FORWARD, f"tracing failed: {e}"))
+    if seen is not None:
+        seen["trace"] = norms, t
     return derive(model, t, sites)
 
 
@@ -150,15 +160,18 @@ def planned(model: nn.Module, sites: list[NormSite], steps: ExactSteps) -> Metho
     """The exact conversion by `steps` (refused norms kept as LayerNorms where the rest can then be exact);
     NotExact, the model untouched, where it cannot be."""
     p = steps.plan(model, sites)
-    first, kept = p.refusal, keepable(p, sites)
-    if kept:   # the other norms may be exact without these: plan them alone, these stay LayerNorm
-        retry = steps.plan(model, [s for s in sites if s.name not in kept])
-        if retry.refusal:
-            kept = {}
-        else:
-            sites, p = [s for s in sites if s.name not in kept], retry
-    if p.refusal:
-        raise NotExact(p.refusal)
+    first, kept, left = p.refusal, {}, sites
+    # the other norms may be exact without those refused: plan them alone, those stay LayerNorm; keeping a norm can
+    # refuse the norms it reaches (a post-LN stage: each reads the one before), so again until none is refused
+    while more := keepable(p, left, set(kept)):
+        kept |= more
+        left = [s for s in sites if s.name not in kept]
+        if not left:   # every norm would stay: the first cause is the model's
+            raise NotExact(first)
+        p = steps.plan(model, left)
+    if p.refusal:   # a model-wide reason blocks what keeping norms would allow (post-LN aside): the cause to name
+        raise NotExact(p.reasons[0] if p.reasons and first.cause is not Cause.POST_LN else first)
+    sites = left
     try:
         result = steps.apply(model, sites, p)
     except NotExact:   # the rehearsal says keeping them was not enough: the first cause is the true one
@@ -188,7 +201,10 @@ def convert_exact(model: nn.Module, sites: list[NormSite], p: Plan, examples=Non
     copy of the model, on its samples and the user's `examples`), which the swapped model is verified against."""
     reference = verification.reference(model, p.not_kept, examples)
     rehearse(model, sites, p, reference)
-    return interpret(model, p, reference=reference)
+    undo = Undo(model, p.steps, sites)   # the originals of what the edits touch, should verification fail
+    result = interpret(model, p, reference=reference)
+    result.undo = undo
+    return result
 
 
 class InMemory:
@@ -196,15 +212,16 @@ class InMemory:
     sample inputs and the user's `examples` (`example_inputs`)."""
 
     def __init__(self, examples=None):
-        self.examples = examples
+        self.examples, self.seen = examples, {}   # seen: the trace of the unedited model (`plan`)
 
     def inputs(self, model: nn.Module) -> list[dict]:
         return model_inputs(model, self.examples)
 
     def plan(self, model: nn.Module, sites: list[NormSite]) -> Plan:
-        return plan(model, sites, examples=self.examples)
+        return plan(model, sites, examples=self.examples, seen=self.seen)
 
     def apply(self, model: nn.Module, sites: list[NormSite], p: Plan) -> MethodResult:
+        self.seen.clear()   # the model is edited now
         return convert_exact(model, sites, p, self.examples)
 
 

@@ -5,15 +5,16 @@ combination of, and where their channels are. It is *pure* when every row along 
 rows of the labels with weights that do not depend on the channel. Its layout is *intact* (one dim, `hd`,
 holds whole rows, channels in order) or *mapped*: integer `codes` say, per element, which channel of which
 row of which part it is (q/k/v slices of a fused projection, per-head views, a concatenation along the
-hidden dim). `norm_input` reads what a norm's rows are made of.
+hidden dim). `norm_input` reads what a norm's rows are made of; `Trace` holds what the traced forwards showed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 
-from normswap.surgery.labels import Label
+from normswap.surgery.labels import Label, User
 
 SHIFT = 40   # codes: (part + 1) << SHIFT | row * width + channel; 0: a zero element
 
@@ -26,6 +27,7 @@ class Flow:
     codes: torch.Tensor | None = None      # mapped: per element, see SHIFT
     parts: tuple = ()                      # mapped: (labels, width) per part
     plain: bool = True                     # elements moved only (a norm's bias still passes unchanged)
+    carried: frozenset = frozenset()       # opaque: labels summed in whose per-row shift it carries unchanged
 
     @property
     def pure(self) -> bool:
@@ -39,8 +41,8 @@ class Flow:
 ZERO = Flow(frozenset(), plain=False)
 
 
-def opaque(labels: frozenset, why: str) -> Flow:
-    return Flow(labels, why, None)
+def opaque(labels: frozenset, why: str, carried: frozenset = frozenset()) -> Flow:
+    return Flow(labels, why, None, carried=carried)
 
 
 def codes_of(x: torch.Tensor, f: Flow, first: int) -> tuple[torch.Tensor, list]:
@@ -102,6 +104,27 @@ class NormInput:
     opaque: str | None = None
 
 
+def norm_call(x: torch.Tensor | None, flow: Flow | None, widths: dict) -> NormInput:
+    """One call of a norm on `x` (followed as `flow`): what it reads (`NormInput`); the widths of its sources
+    noted in `widths`."""
+    if flow is None:
+        return NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
+    if not flow.pure:   # the labels it carries shift whole rows, which a LayerNorm ignores: not held back
+        return NormInput({label: frozenset() for label in flow.labels - flow.carried}, flow.opaque)
+    if flow.zero:
+        return NormInput({})
+    if flow.codes is None and flow.hd != -1:
+        return NormInput({}, "normalisation over a dim other than the hidden one")
+    if flow.codes is None:
+        for label in flow.labels:
+            widths.setdefault(label, x.shape[-1])
+        return NormInput({label: frozenset({(0, x.shape[-1])}) for label in flow.labels})
+    for labels, w in flow.parts:
+        for label in labels:
+            widths.setdefault(label, w)
+    return norm_input(flow)
+
+
 def norm_input(flow: Flow) -> NormInput:
     """Per label, the channel ranges a norm's rows cover when its input is a rearrangement (`flow.codes`).
 
@@ -139,3 +162,32 @@ def norm_input(flow: Flow) -> NormInput:
             for label in labels:
                 sources[label] = sources.get(label, frozenset()) | ranges
     return NormInput(sources)
+
+
+def channel_dim(x: torch.Tensor, n: int, flow: Flow | None) -> int:
+    """The dim of x (negative) a per-channel scale of `n` channels runs along: where its flow has them, else its
+    last dim of that size."""
+    if flow is not None and flow.hd is not None and flow.codes is None and x.shape[flow.hd] == n:
+        return flow.hd
+    return next((d - x.dim() for d in range(x.dim() - 1, -1, -1) if x.shape[d] == n), -1)
+
+
+@dataclass
+class Trace:
+    """What the forwards showed, by `labels.Label` (what a value is made of) and `labels.User` (who read it)."""
+
+    calls: dict[str, list[NormInput]] = field(default_factory=lambda: defaultdict(list))   # norm -> calls
+    readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))       # norm -> layers
+    reads: dict[str, set] = field(default_factory=lambda: defaultdict(set))   # layer -> its norm labels, OTHER
+    uses: dict[Label, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
+    fed_norms: dict[Label, set[str]] = field(default_factory=lambda: defaultdict(set))     # label -> norms
+    scales: dict[Label, list[Flow]] = field(default_factory=lambda: defaultdict(list))     # scale -> inputs
+    widths: dict[Label, int] = field(default_factory=dict)                                 # label -> width
+    ran: set[str] = field(default_factory=set)                                             # parameters
+    called: set[str] = field(default_factory=set)                                          # hooked leaves
+    poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
+    tolerant: dict[Label, set[int]] = field(default_factory=lambda: defaultdict(set))   # label -> widths of rows
+    # a functional layer_norm read whole: invariant to centring those rows (F.layer_norm, MONAI's proj_out)
+
+
+OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output

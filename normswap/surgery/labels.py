@@ -101,6 +101,7 @@ class Cause(Enum):
     """What a refusal is about: the kind decisions read (`plan.keepable`, `Plan.reason`, `auto`'s fallback)."""
 
     UNRUN = "unrun"               # a norm, or a parameter wide enough to write the stream, did not run
+    UNREACHABLE = "unreachable"   # a norm no input can run (a switch that is off, an uncalled forward): left as it is
     OPAQUE = "opaque"             # a norm's input is not a sum of layer outputs
     REAPPLIED = "reapplied"       # a norm applied again to its own output, which is read too
     MIXED = "mixed"               # the stream is mixed with a value no weight edit centres

@@ -43,6 +43,7 @@ class MethodResult:
     not_preserved: dict[str, str] = field(default_factory=dict)    # outputs that change -> why (the folder's)
     unverified: dict[str, str] = field(default_factory=dict)       # of those, the ones by name: not compared
     kept: dict[str, str] = field(default_factory=dict)             # norms left as they were -> why
+    undo: object | None = None   # in memory: how to put the edits back (`undo.Undo`) if verification fails
 
     def after_swap(self, model: nn.Module, report) -> None:
         """Called by `convert` once the norms are swapped (exact finishes and verifies here)."""

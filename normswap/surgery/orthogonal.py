@@ -61,6 +61,11 @@ def random_orthogonal(n: int, g: torch.Generator) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r)).masked_fill(torch.diagonal(r) == 0, 1.0)[None, :]
 
 
+def times(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
+    """t with its dim `dim` multiplied by q (x -> xQ along that dim), in float64."""
+    return (t.double().movedim(dim, -1) @ q.double()).movedim(-1, dim)
+
+
 def rotation(n: int, method: str, seed: int) -> tuple[torch.Tensor, str]:
     """(Q, what it is) for a stream of width n: see the module docstring."""
     if method not in METHODS:

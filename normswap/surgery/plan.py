@@ -20,7 +20,7 @@ from torch import nn
 
 from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
 from normswap.surgery.labels import BiasPlan, Cause, Label, Refusal, User
-from normswap.surgery.reach import dead, read_names, unreachable
+from normswap.surgery.reach import dead, never_runs, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale, Step
 from normswap.surgery.walk import NormSite
@@ -45,7 +45,7 @@ class Plan:
     steps: list[Step]
     reasons: list[Refusal] = field(default_factory=list)   # model-wide: untraced writers
     not_kept: dict[str, str] = field(default_factory=dict)   # returned output -> why it is not preserved
-    uncalled: list[str] = field(default_factory=list)    # centred layers whose weights are used without a call
+    uncalled: list[str] = field(default_factory=list)    # centred layers whose weights are used by hand
 
     @property
     def refusal(self) -> Refusal | None:
@@ -194,6 +194,11 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
     for s in sites:
         p = norms[s.name] = NormPlan(s.name, s.width)
         calls = t.calls.get(s.name)
+        if not calls and never_runs(model, s.name):
+            p.reason = Refusal(Cause.UNREACHABLE, f"{s.name} never runs: its model's code reads it only under a "
+                               "constructor switch that is off, or only in a forward nothing calls, so no input "
+                               "reaches it", (s.name,))
+            continue
         if not calls:
             p.reason = Refusal(Cause.UNRUN, f"{s.name} did not run on the sample inputs", (s.name,))
             continue
@@ -216,8 +221,13 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                                          if (r := _post_ln(t, s.name, fed, many))), None)
         p.bias = _bias_fate(model, t, s, p.readers)
     groups = {label: _grouping(t, label, needs[label], norms) for label in needs}
+    for label, (group, ranges) in groups.items():   # a functional layer_norm ignores only a shift of whole rows
+        if label in t.tolerant and (ranges or {group} != t.tolerant[label]):
+            p = norms[next(iter(needs[label].values()))]
+            p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised whole by a functional "
+                                           "layer_norm but centred in groups of channels", (label.name, p.name))
     for label, (group, ranges) in groups.items():   # output and input fixes centre whole rows only
-        if _fixed(model, label) and (ranges or group != t.widths.get(label, group)):
+        if _fixed(model, t, label) and (ranges or group != t.widths.get(label, group)):
             p = norms[next(iter(needs[label].values()))]
             p.reason = p.reason or Refusal(Cause.GROUPS, f"{label.ref} is normalised in groups of channels, which "
                                            "its output (or input) centring cannot do", (label.name, p.name))
@@ -228,8 +238,9 @@ def derive(model: nn.Module, t: Trace, sites: list[NormSite]) -> Plan:
                 if label.kind == "norm" else "the residual stream, returned centred (each row minus its mean)"
                 for label in needs for user in t.uses.get(label, {}) if (name := user.nested)}
     steps = _steps(model, t, norms, {s.name for s in sites}, groups)
+    # centred layers whose weights are used without a call (or read directly too): rehearsed by their values
     uncalled = [s.target.name for s in steps if isinstance(s, Centre) and isinstance(s.target, Module)
-                and s.target.name not in t.called]
+                and (s.target.name not in t.called or _read_directly(t, s.target.name, owner=True))]
     return Plan(norms, steps, reasons, dict(sorted(not_kept.items())), uncalled)
 
 
@@ -249,12 +260,21 @@ def _grouping(t: Trace, label: Label, ranges: dict[tuple, str], norms: dict[str,
     return 0, tuple(spans)
 
 
-def _fixed(model: nn.Module, label: Label) -> bool:
-    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding."""
+def _fixed(model: nn.Module, t: Trace, label: Label) -> bool:
+    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding (tied as
+    parameters, or by hand: its weight also read directly, as Whisper's `x @ embedding.weight.T` head)."""
     if label.kind in ("norm", "entry"):
         return True
     layer = model.get_submodule(label.name) if label.kind == "layer" else None
-    return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre"))
+    return isinstance(layer, nn.Embedding) and (tied(model, layer.weight) or hasattr(layer, "normswap_centre") or
+                                                _read_directly(t, f"{label.name}.weight"))
+
+
+def _read_directly(t: Trace, name: str, owner: bool = False) -> bool:
+    """Whether the forward reads the parameter `name` itself (not through its module's call), along any dim; with
+    `owner`, any parameter of the module `name`."""
+    return any(label.kind == "param" and (label.name.rpartition(".")[0] if owner else label.name) == name and users
+               for label, users in t.uses.items())
 
 
 def _unrun(model: nn.Module, t: Trace, sites: list[NormSite], needs: dict) -> list[Refusal]:
@@ -307,7 +327,7 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
                     steps.append(Fix(name, centre=True, at_input=True))
                 continue
             layer = model.get_submodule(name) if kind == "layer" else None
-            if _fixed(model, label):
+            if _fixed(model, t, label):
                 if not hasattr(layer, "normswap_centre"):   # centred at lookup already (earlier pass)
                     steps.append(Fix(name, centre=True))
                 continue
@@ -331,24 +351,33 @@ def _steps(model: nn.Module, t: Trace, norms: dict[str, NormPlan], sites: set[st
     return steps
 
 
-def keepable(p: Plan, sites: list[NormSite]) -> dict[str, Refusal]:
-    """Norms refused for what reaches their own input, which could stay LayerNorms while the others become
-    exact RMSNorms: none where the model is post-LN or a parameter never ran (those concern every norm), or
-    where every norm is refused. A LayerNorm ignores the mean its input loses when the stream's writers are
-    centred, so keeping one is exact whenever the rest of the plan is (the rehearsal checks it)."""
+def keepable(p: Plan, sites: list[NormSite], kept: set[str] = frozenset()) -> dict[str, Refusal]:
+    """Norms of `sites` refused for what reaches their own input, which could stay LayerNorms while the others
+    become exact RMSNorms (post-LN ones too: a later post-LN stage stays LayerNorm, an earlier pre-LN one
+    converts), and the norms that then stay too (`Cause.PINNED`); `kept`: norms already kept. Only the norms no
+    input can run (`Cause.UNREACHABLE`) where a parameter never ran (that concerns every norm). A LayerNorm ignores
+    the mean its input loses when the stream's writers are centred, so keeping one is exact whenever the rest of
+    the plan is (the rehearsal checks it); the caller refuses the model where every norm would be kept."""
     refused = {n: q.reason for n, q in p.norms.items() if q.reason}
-    if p.reasons or not refused or len(refused) >= len(sites) or \
-            any(r.cause is Cause.POST_LN for r in refused.values()):
-        return {}
+    if p.reasons:
+        return {n: r for n, r in refused.items() if r.cause is Cause.UNREACHABLE}
     # A kept norm whose input is no plain sum (Swin's patch merging: a concatenation along the hidden dim of
     # four positions of the stream) sees every centring of its sources: those stay as they are, so every norm
     # reading one, or writing one, stays a LayerNorm too (Swin: all stages but the last).
     pinned = {label: n for n in refused if p.norms[n].shifted for label in p.norms[n].sources}
+    # A kept norm's output is left as it is (no fix added to it): a norm reading it stays a LayerNorm too.
+    outputs = {Label("norm", n): n for n in [*kept, *refused]}
     for s in sites:
         own = Label("norm", s.name)
         hit = next((lb for lb in [*p.norms[s.name].sources, own] if lb in pinned), None)
-        if s.name not in refused and hit:
+        held = next((lb for lb in p.norms[s.name].sources if lb in outputs), None)
+        if s.name in refused:
+            continue
+        if hit:
             what = "its output" if hit == own else f"its input holds {hit.ref}, which"
             refused[s.name] = Refusal(Cause.PINNED, f"{what} also reaches {pinned[hit]}, whose input is not a plain "
                                       "sum, so it cannot be centred", (s.name, pinned[hit]))
-    return refused if len(refused) < len(sites) else {}
+        elif held:
+            refused[s.name] = Refusal(Cause.PINNED, f"its input holds the output of {outputs[held]}, which stays a "
+                                      "LayerNorm (its output left as it is, not centred)", (s.name, outputs[held]))
+    return refused

@@ -9,15 +9,21 @@ that reads attributes of `self` by a computed name, or cannot be read, makes eve
 
 A parameter read is still unreachable when its owner reads it only under `if <arg> is not None:` for
 optional forward arguments that the owner's parent never passes (`unreachable`): Dinov2's mask_token inside
-Depth Anything's backbone. Anything less clear-cut counts as reachable.
+Depth Anything's backbone; or when a module on its path is read only under `if self.<flag>:` for a flag that
+is off and that no code sets after `__init__` (MONAI's `with_cross_attention`); or when a module reads it only in
+its own `forward`, which its parent never calls (vit-pytorch's MAE runs its encoder's pieces by hand); or only in
+methods its forward never runs (diffusers' PriorTransformer's `post_process_latents`). Anything less clear-cut
+counts as reachable.
 """
 from __future__ import annotations
 
 import ast
 import inspect
-import textwrap
 
 from torch import nn
+
+from normswap.surgery.source import class_tree, own_classes
+from normswap.surgery.uncalled import reads_only_off_forward
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
@@ -37,17 +43,11 @@ def _names(path: str) -> set[str] | None:
     return found
 
 
-def _own_classes(module: nn.Module) -> list[type]:
-    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
-    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
-            not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
-
-
 def read_names(model: nn.Module) -> set[str] | None:
     """Every attribute name the model's own classes read (see the module docstring); None: all of them."""
     files = set()
     for module in model.modules():
-        for cls in _own_classes(module):
+        for cls in own_classes(module):
             try:
                 files.add(inspect.getsourcefile(cls))
             except (TypeError, OSError):
@@ -80,14 +80,6 @@ def dead(model: nn.Module, param: str, names: set[str] | None) -> bool:
         and last not in names
 
 
-def _class_tree(cls: type) -> ast.ClassDef | None:
-    try:
-        node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
-    except (TypeError, OSError, SyntaxError, IndexError):
-        return None
-    return node if isinstance(node, ast.ClassDef) else None
-
-
 def _is_self_attr(node: ast.AST, attr: str) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name) \
         and node.value.id == "self"
@@ -115,12 +107,12 @@ def _optional(fn: ast.FunctionDef) -> dict[str, int]:
 def _gates(owner: nn.Module, attr: str) -> dict[str, int] | None:
     """{argument: position} of the optional forward arguments that every read of `self.<attr>` in the owner's
     code sits under an `if <argument> is not None:`; None if some read is not so gated (or read elsewhere)."""
-    defining = next((c for c in _own_classes(owner) if "forward" in vars(c)), None)
+    defining = next((c for c in own_classes(owner) if "forward" in vars(c)), None)
     if defining is None:
         return None
     gates: dict[str, int] | None = None
-    for cls in _own_classes(owner):
-        tree = _class_tree(cls)
+    for cls in own_classes(owner):
+        tree = class_tree(cls)
         if tree is None:
             return None
         for item in tree.body:
@@ -149,12 +141,12 @@ def _passed(parent: nn.Module, child: str, gates: dict[str, int]) -> dict[str, i
     """How the parent's code hands `gates` to `self.<child>`: {} never; {name: position} only as its own
     optional forward arguments of those names, passed on unchanged from its forward; None any other way (a
     computed value, a splat, the child handed out or called elsewhere with them)."""
-    classes = _own_classes(parent)
+    classes = own_classes(parent)
     if not classes:
         return None
     out: dict[str, int] = {}
     for cls in classes:
-        tree = _class_tree(cls)
+        tree = class_tree(cls)
         if tree is None:
             return None
         parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
@@ -183,12 +175,159 @@ def _passed(parent: nn.Module, child: str, gates: dict[str, int]) -> dict[str, i
     return out
 
 
+def _self_flags(test: ast.AST) -> set[str]:
+    """Attributes of self that `test` requires to be truthy (`self.flag`, `self.flag is not None`, alone or in an
+    `and`)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return set().union(*(_self_flags(v) for v in test.values))
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot) and \
+            isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None:
+        test = test.left
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and test.value.id == "self":
+        return {test.attr}
+    return set()
+
+
+def _stores(tree: ast.AST, flag: str, own: bool) -> bool:
+    """Whether `tree` stores `<x>.flag` outside an `__init__`: through `self` only if `own` (the owner's own class:
+    another class's `self` is another object), through any other name always."""
+    inits = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+             for n in ast.walk(f)}
+    return any(isinstance(n, ast.Attribute) and n.attr == flag and not isinstance(n.ctx, ast.Load)
+               and id(n) not in inits and (own or not _is_self_attr(n, flag)) for n in ast.walk(tree))
+
+
+def _flagged_off(owner: nn.Module, attr: str) -> bool:
+    """True if every read of `self.<attr>` in the owner's own code sits under `if self.<flag>:` for a flag
+    that is falsy now and that nothing sets outside an `__init__` (the owner's classes through `self`, any code of
+    their files through another name; a constructor switch:
+    MONAI's `with_cross_attention`): no input can run it."""
+    classes = own_classes(owner)
+    flags: set[str] | None = None
+    for cls in classes:
+        tree = class_tree(cls)
+        if tree is None:
+            return False
+        reads = [n for n in ast.walk(tree) if _is_self_attr(n, attr) and isinstance(n.ctx, ast.Load)]
+        if not reads:
+            continue
+        guards: dict[int, set[str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and (names := _self_flags(node.test)):
+                for inner in node.body:
+                    for sub in ast.walk(inner):
+                        guards.setdefault(id(sub), set()).update(names)
+        found = set.intersection(*(guards.get(id(r), set()) for r in reads))
+        flags = found if flags is None else flags & found
+    flags = (flags or set()) - set(vars(nn.Module()))   # `training`: torch's own code sets it (train(), eval())
+    if not flags:
+        return False
+    try:
+        files = [ast.parse(open(inspect.getsourcefile(c), encoding="utf-8").read()) for c in classes]
+    except (TypeError, OSError, SyntaxError, UnicodeDecodeError):
+        return False
+    trees = [class_tree(c) for c in classes]
+    return any(isinstance(getattr(owner, flag, True), (bool, int, type(None))) and not getattr(owner, flag, True)
+               and not any(_stores(tree, flag, own=False) for tree in files)
+               and not any(_stores(tree, flag, own=True) for tree in trees) for flag in flags)
+
+
+def _only_in_forward(owner: nn.Module, attr: str) -> bool:
+    """True if the owner's own code reads `self.<attr>` only inside its `forward` methods, and never runs its own
+    forward (`self(...)`, `self.forward`, `self.__call__`) from elsewhere."""
+    found = False
+    for cls in own_classes(owner):
+        tree = class_tree(cls)
+        if tree is None:
+            return False
+        forwards = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "forward"
+                    for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if _is_self_attr(node, attr) and isinstance(node.ctx, ast.Load):
+                if id(node) not in forwards:
+                    return False
+                found = True
+            elif id(node) not in forwards and (_is_self_attr(node, "forward") or _is_self_attr(node, "__call__") or
+                                               isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                                               and node.func.id == "self"):
+                return False
+    return found
+
+
+def _never_called(parent: nn.Module, child: str) -> bool:
+    """True if the parent's own code uses `self.<child>` only to reach its attributes (`self.child.proj`), never
+    calling it (`self.child(...)`, `.forward`, `.__call__`) nor handing it out (vit-pytorch's MAE runs its
+    encoder's pieces by hand)."""
+    classes = own_classes(parent)
+    if not classes:
+        return False
+    for cls in classes:
+        tree = class_tree(cls)
+        if tree is None:
+            return False
+        ups = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        for node in ast.walk(tree):
+            if _is_self_attr(node, child) and isinstance(node.ctx, ast.Load):
+                up = ups.get(id(node))
+                if not isinstance(up, ast.Attribute) or up.attr in ("forward", "__call__"):
+                    return False
+    return True
+
+
+def uncalled_forward(model: nn.Module, name: str) -> bool:
+    """True if a module on the path to `name` (a module or a parameter) reads the next step only in its own
+    `forward`, and its parent (held once, by that parent) never calls it: that forward never runs (vit-pytorch's
+    MAE: its encoder's class token and head, read only by the encoder's forward, which the MAE never calls)."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        owner_name, parent_name = ".".join(parts[:i]), ".".join(parts[:i - 1])
+        owner, parent = model.get_submodule(owner_name), model.get_submodule(parent_name)
+        holders = sum(m is owner for _, m in model.named_modules(remove_duplicate=False))
+        if holders == 1 and not isinstance(parent, CONTAINERS) and getattr(parent, parts[i - 1], None) is owner \
+                and own_classes(owner) and _only_in_forward(owner, parts[i]) and _never_called(parent, parts[i - 1]):
+            return True
+    return False
+
+
+def off_forward(model: nn.Module, name: str) -> bool:
+    """True if a module on the path to `name` (a module or a parameter) reads the next step only in methods its
+    call never runs (`uncalled.reads_only_off_forward`)."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        owner_name = ".".join(parts[:i])
+        if not isinstance(model.get_submodule(owner_name), CONTAINERS) and \
+                reads_only_off_forward(model, owner_name, parts[i]):
+            return True
+    return False
+
+
+def switched_off(model: nn.Module, name: str) -> bool:
+    """True if a module on the path to `name` (a module or a parameter) reads the next one only under a
+    constructor switch that is off (`_flagged_off`)."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        owner = model.get_submodule(".".join(parts[:i]))
+        if not isinstance(owner, CONTAINERS) and own_classes(owner) and _flagged_off(owner, parts[i]):
+            return True
+    return False
+
+
+def never_runs(model: nn.Module, name: str) -> bool:
+    """True if no input can run the module or parameter `name`: behind a constructor switch that is off
+    (`switched_off`), read only by a forward no code calls (`uncalled_forward`), or only by methods the forward
+    never runs (`off_forward`)."""
+    return switched_off(model, name) or uncalled_forward(model, name) or off_forward(model, name)
+
+
 def unreachable(model: nn.Module, param: str) -> bool:
     """True if the model's code provably never reads `param`: its owner reads it only under
     `if <arg> is not None:` for optional forward arguments that no caller up to the model passes (each
     module held once, by one parent, which passes such an argument on only from its own optional forward
     argument, and so on up): Dinov2's mask_token inside Depth Anything's backbone, which embeds pixels without
-    `bool_masked_pos`, or under an image classifier's head, which calls Dinov2Model without it."""
+    `bool_masked_pos`, or under an image classifier's head, which calls Dinov2Model without it. So is one no
+    input can run (`never_runs`)."""
+    if never_runs(model, param):
+        return True
     name, _, attr = param.rpartition(".")
     gates = _gates(model.get_submodule(name), attr) if name else None
     while gates:

@@ -3,8 +3,6 @@ tensor a `flow.Flow` and record, per norm call, its input; per leaf, what it rea
 (see `trace` for the whole story, `rules` for the operations and `labels` for labels and users)."""
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -15,33 +13,14 @@ from normswap.models.introspect import floating_buffers, in_width, is_scale, nor
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
 from normswap.surgery.algebra import rows_centred
-from normswap.surgery.flow import ZERO, Flow, NormInput, channels_read, norm_input, opaque
+from normswap.surgery.flow import OTHER, ZERO, Flow, Trace, channel_dim, channels_read, norm_call, opaque
 from normswap.surgery.labels import Label, User
+from normswap.surgery.rules import IGNORE
 from normswap.surgery.tensormap import TensorMap
 
-# Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
-IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
-          "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
 MHA = "multi_head_attention_forward"
 
 
-@dataclass
-class Trace:
-    """What the forwards showed, by `labels.Label` (what a value is made of) and `labels.User` (who read it)."""
-
-    calls: dict[str, list[NormInput]] = field(default_factory=lambda: defaultdict(list))   # norm -> calls
-    readers: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))       # norm -> layers
-    reads: dict[str, set] = field(default_factory=lambda: defaultdict(set))   # layer -> its norm labels, OTHER
-    uses: dict[Label, dict] = field(default_factory=lambda: defaultdict(dict))   # label -> user -> channels
-    fed_norms: dict[Label, set[str]] = field(default_factory=lambda: defaultdict(set))     # label -> norms
-    scales: dict[Label, list[Flow]] = field(default_factory=lambda: defaultdict(list))     # scale -> inputs
-    widths: dict[Label, int] = field(default_factory=dict)                                 # label -> width
-    ran: set[str] = field(default_factory=set)                                             # parameters
-    called: set[str] = field(default_factory=set)                                          # hooked leaves
-    poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
-
-
-OTHER = "other"   # in Trace.reads: a layer read something other than one norm's output
 
 
 class Recorder(TorchFunctionMode):
@@ -64,17 +43,14 @@ class Recorder(TorchFunctionMode):
         self.stack: list[str] = []       # the modules being run, for messages
         self.pending = TensorMap()       # slice -> (Flow, User): slices not read yet
         self.deferred: list[tuple[User, frozenset, list, dict]] = []      # uses of rearranged tensors
+        self.scaled: dict[str, tuple] = {}   # a scale module running now -> (input, flow, channel dim, input * g)
 
     def get(self, x: torch.Tensor) -> Flow | None:
         """x's flow; None for a tensor not followed (integer and bool tensors are indices and masks)."""
         if not x.is_floating_point():
             return None
         held = self.flows.get(x)
-        if held is not None:
-            return held
-        if id(x) in self.labels:
-            return Flow(frozenset({self.labels[id(x)]}))
-        return None
+        return held if held is not None else Flow(frozenset({self.labels[id(x)]})) if id(x) in self.labels else None
 
     def set(self, x: torch.Tensor, flow: Flow) -> None:
         self.flows.set(x, flow, strong=id(x) in self.params)
@@ -89,7 +65,12 @@ class Recorder(TorchFunctionMode):
     def use(self, x: torch.Tensor | None, flow: Flow, user: User) -> None:
         """`user` reads the values of x (flow `flow`): record which labels, all channels; for a rearranged
         tensor (q/k/v slices...) which channels is worked out at the end, for sources only (`finish`)."""
-        if not flow.pure or flow.zero:
+        if not flow.pure:   # an opaque sum: the labels whose shift it carries are read now (`rules.carried`)
+            for label in flow.carried:
+                self.trace.uses[label][user] = None
+                self.trace.poison.setdefault(user, flow.opaque)
+            return
+        if flow.zero:
             return
         if flow.codes is not None:   # the channels each part gave, now: its per-element codes are not held
             self.deferred.append((user, flow.labels, flow.parts, channels_read(flow)))
@@ -148,18 +129,21 @@ class Recorder(TorchFunctionMode):
         if name == MHA and outs:   # nn.MultiheadAttention: its output is its out_proj's
             self._mha(args, kwargs, tracked, outs)
             return
+        if name == "layer_norm" and outs and self._layer_norm(args, kwargs, outs[0]):
+            return
         if not outs or not tracked:
             return
         flows = self.rule(func, name, args, kwargs, tracked, outs, ins)
         if isinstance(flows, (str, Flow)):   # opaque: the pure inputs are used here
             user = User("operation", name, where=self.here())
-            if isinstance(flows, Flow):   # mixed with an opaque value: that value is the cause
+            carried = None if self.rotating else rules.carried(name, flows, tracked, outs)
+            if isinstance(flows, Flow) and carried is None:   # mixed with an opaque value: that value is the cause
                 self.trace.poison[user] = flows.opaque
-            for x, f in tracked:
+            for x, f in tracked if carried is None else ():
                 self.use(x, f, user)
             labels = frozenset().union(*(f.labels for _, f in tracked))
             why = flows + self.where() if isinstance(flows, str) else flows.opaque   # an opaque input's cause
-            flows = [opaque(labels, why)] * len(outs)
+            flows = [opaque(labels, why, carried or frozenset())] * len(outs)
         for o, f in zip(outs, flows):   # no flows: the output is not followed
             if o.is_floating_point():
                 self.set(o, f)
@@ -210,7 +194,7 @@ class Recorder(TorchFunctionMode):
 
     def rebuilt_in(self, values: list[torch.Tensor]) -> Flow | None:
         """An opaque value naming the first non-persistent buffer among `values` (unfollowed tensors summed or
-        moved with the stream), as the cause a refusal gives; None if there is none."""
+        moved with the stream), a refusal's cause; None if none."""
         name = next((self.rebuilt[id(x)] for x in values if id(x) in self.rebuilt), None)
         return name and opaque(frozenset(), f"the buffer {name} (not persistent: the model rebuilds it)")
 
@@ -273,9 +257,20 @@ class Recorder(TorchFunctionMode):
             return None
         return label if k == -1 else Label("param", label.name, k)
 
+    def _layer_norm(self, args, kwargs, out: torch.Tensor) -> bool:
+        """F.layer_norm of whole rows (`rules.whole_rows`) ignores their writers' centring: a tolerant read, not a
+        use (`plan` centres such rows whole); its output a new opaque value. False: an ordinary operation."""
+        x = args[0] if args else kwargs.get("input")
+        flow = self.get(x) if isinstance(x, torch.Tensor) else None
+        if self.rotating or not rules.whole_rows(args, kwargs, x, flow):   # a rotation changes what it gives
+            return False
+        for label in flow.labels:
+            self.trace.tolerant[label].add(x.shape[-1])
+        self.set(out, opaque(frozenset(), "layer_norm" + self.where()))
+        return True
+
     def _mha(self, args, kwargs, tracked, outs) -> None:
-        """F.multi_head_attention_forward: the attention output is its out_proj's output (a Linear); the
-        query, key and value are read (used)."""
+        """F.multi_head_attention_forward: its output is its out_proj's (a Linear); query, key, value are used."""
         for x, f in tracked:
             self.use(x, f, User("attention", where=self.here()))
         weight = kwargs.get("out_proj_weight", args[11] if len(args) > 11 else None)
@@ -298,6 +293,8 @@ class Recorder(TorchFunctionMode):
         flow = self.get(x) if isinstance(x, torch.Tensor) else None
         given = flow is None and isinstance(x, torch.Tensor) and id(x) in self.given
         if self.inside is None and (given or flow is not None and flow.opaque) and x.dim() > 1:
+            if flow is not None:   # the block reads what the opaque sum carries
+                self.use(x, flow, User("module", name, type(self.model.get_submodule(name)).__name__))
             self.set(x, Flow(frozenset({Label("entry", name)})))
             self.trace.widths[Label("entry", name)] = x.shape[-1]
 
@@ -319,12 +316,17 @@ class Recorder(TorchFunctionMode):
             reader = not rows_centred(x, next(module.parameters(), x).dtype)
             self.inside = None
         if name in self.norms and not reader:
+            if flow is not None and flow.carried and norm_kind(module) == "rmsnorm":   # not blind to a shift
+                self.use(x, flow, User("module", name, type(module).__name__))
             self._norm_input(name, x, flow)
-        elif name not in self.norms and flow is not None and flow.pure and not flow.zero and is_scale(module) \
-                and flow.codes is None and x.shape[-1] == next(module.parameters()).shape[0] and flow.hd == -1:
-            self.trace.scales[Label("layer", name)].append(flow)   # foldable into the layer before: not a use
-            self.inside = name
-            return
+        elif name not in self.norms and x is not None and is_scale(module):
+            # along the channels wherever they are (timm's LayerScale2d scales (B, C, H, W) along C); whether it
+            # is one is seen in `post`, from what it gave: x * g here, before an in-place scale changes x
+            gain = next(module.parameters())
+            hd = channel_dim(x, gain.shape[0], flow)
+            self.inside = name   # the reference's own op is not the model's
+            ref = x * gain.view([-1] + [1] * (-hd - 1)) if x.shape[hd] == gain.shape[0] else None
+            self.scaled[name] = (x, flow, hd, ref)
         else:
             self._leaf_reads(name, module, x, flow)
         self.inside = name
@@ -346,36 +348,36 @@ class Recorder(TorchFunctionMode):
             self.use(x, flow, user)
 
     def _norm_input(self, name: str, x, flow: Flow | None) -> None:
-        if flow is None:
-            call = NormInput({}, "a value the trace does not follow (not computed from the model's weights)")
-        elif not flow.pure:
-            call = NormInput({label: frozenset() for label in flow.labels}, flow.opaque)
-        elif flow.zero:
-            call = NormInput({})
-        elif flow.codes is None and flow.hd != -1:
-            call = NormInput({}, "normalisation over a dim other than the hidden one")
-        elif flow.codes is None:
-            w = x.shape[-1]
-            call = NormInput({label: frozenset({(0, w)}) for label in flow.labels})
-            for label in flow.labels:
-                self.trace.widths.setdefault(label, w)
-        else:
-            call = norm_input(flow)
-            for labels, w in flow.parts:
-                for label in labels:
-                    self.trace.widths.setdefault(label, w)
-        for label in call.sources:
+        call = norm_call(x, flow, self.trace.widths)
+        for label in [*call.sources, *(flow.carried if flow is not None else ())]:
             self.trace.fed_norms[label].add(name)
         self.trace.calls[name].append(call)
+
+    def _scale_leaf(self, name: str, module: nn.Module, first: torch.Tensor | None) -> int:
+        """A module with one 1-D parameter gave `first`: if that is its input times the parameter along the
+        channels (LayerScale), a scale (foldable into the layer before when that wrote the input unmixed: not a
+        use); else (an RMSNorm of any class name, `x * rsqrt(mean(x^2)) * g`) a layer reading its input, whose
+        result centring changes. The dim of the output's channels."""
+        x, flow, hd, ref = self.scaled.pop(name)
+        if first is None or ref is None or first.shape != ref.shape or not torch.equal(first, ref.to(first.dtype)):
+            self._leaf_reads(name, module, x, flow)
+            return -1
+        if flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == hd:
+            self.trace.scales[Label("layer", name)].append(flow)
+        else:
+            self._leaf_reads(name, module, x, flow)
+        return hd
 
     def post(self, name: str, module: nn.Module, out) -> None:
         self.inside = None
         first = next(iter(tensors_in(out)), None)
+        scale = self._scale_leaf(name, module, first) if name in self.scaled else -1
         if first is not None and first.dim():
             conv = isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
             label = Label("norm" if name in self.norms else "layer", name)
-            self.set(first, Flow(frozenset({label}), hd=1 - first.dim() if conv else -1))
-            self.trace.widths[label] = first.shape[1 if conv else -1]
+            hd = 1 - first.dim() if conv else scale   # a scale: where its input's channels were
+            self.set(first, Flow(frozenset({label}), hd=hd))
+            self.trace.widths[label] = first.shape[hd]
 
     def outputs(self, out) -> None:
         """Every floating tensor returned is read by the model output, the main one or one by name (see `plan`:
@@ -390,6 +392,6 @@ class Recorder(TorchFunctionMode):
                 continue
             self.read(t)
             flow = self.get(t)
-            if flow is None or not flow.pure or flow.zero:
+            if flow is None or flow.zero:
                 continue
             self.use(t, flow, User("output", "" if t is main else name))

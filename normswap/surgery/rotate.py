@@ -18,6 +18,11 @@ report lists it; the folder then stores both). A tied embedding centred at looku
 fix gets the centring moved into its (untied) weights. Arithmetic in float64, stored in the model's dtype;
 the rotated model is verified against its outputs before the edits, on the sample (and example) inputs, as
 `convert` verifies; a failure leaves the model edited (discard it).
+
+A model that is RMSNorm already (Llama, Qwen, Mistral, Gemma's 1 + w, Phi-3...) rotates the same way: its norms
+are found by what they compute (`streams.check_norms`), whatever library defines them, and their gains are set to
+ones where they are stored (a Gemma norm's w to 0). Such a model needs no output fix, so it stays an instance of
+its own class: saved, it is its original architecture with other weights (`models.save`).
 """
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.centring import add_output_fix, describe_fix
-from normswap.surgery.orthogonal import METHODS, rotation
+from normswap.surgery.heads import find_pairs, head_width, rotate_heads
+from normswap.surgery.orthogonal import METHODS, rotation, times
 from normswap.surgery.steps import Param
-from normswap.surgery.streams import NotRotatable, Stream, Streams, Writer, check_norms, find_streams, gain
+from normswap.surgery.streams import NotRotatable, Gain, Stream, Streams, Writer, check_norms, find_streams
 from normswap.surgery.trace import ForwardFailed, trace
 from normswap.surgery.trainable import kept_trainable
 
@@ -52,6 +58,8 @@ class RotationReport:
     added_biases: list[str] = field(default_factory=list)   # readers given a bias (a norm's kept bias folded)
     unrotated: dict[str, str] = field(default_factory=dict)   # norm -> what stays unrotated (a d x d matmul)
     not_preserved: dict[str, str] = field(default_factory=dict)
+    inner: list[str] = field(default_factory=list)   # per-head norms inside blocks (Qwen3's q/k norms), left as is
+    heads: dict | None = None   # the per-head rotation (R2): {width, q, pairs: [values layer, output layer]}
     verification: dict | None = None
 
     def to_dict(self) -> dict:
@@ -64,23 +72,31 @@ class RotationReport:
         lines = [f"rotated {len(self.streams)} stream(s) ({self.method}, seed {self.seed}):"]
         lines += [f"  width {s['width']}: {s['q']}; {len(s['norms'])} norms, {len(s['writers'])} writers, "
                   f"{len(s['readers'])} readers" for s in self.streams]
+        if self.heads:
+            lines.append(f"  per head (width {self.heads['width']}, {self.heads['q']}): values and output of "
+                         f"{len(self.heads['pairs'])} attention(s) ({self.heads['pairs'][0][0]}, ...)")
         lines += [f"  untied {name} (a tie the config no longer makes: the LM head reads the rotated stream)"
                   for name in self.untied]
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
         lines += [f"  unrotated: {name} ({why})" for name, why in self.unrotated.items()]
         lines += [f"  not preserved: {k} ({why})" for k, why in self.not_preserved.items()]
+        if self.inner:
+            lines.append(f"  left as they are: {len(self.inner)} per-head norms inside blocks ({self.inner[0]}, ...): "
+                         "no rotation of a stream reaches them")
         if self.verification:
             lines.append(f"  parity vs before: max relative error {self.verification['max_rel']:.3e} "
                          f"(tolerance {self.verification['tolerance']:g})")
         return "\n".join(lines)
 
 
-def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None) -> RotationReport:
+def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None,
+           heads: bool = False) -> RotationReport:
     """Rotate every residual stream of an exactly converted `model` in place (see the module docstring).
 
     method: "hadamard" (a randomised Hadamard matrix, or a random orthogonal one where the width has no known
     Hadamard matrix) or "random" (a random orthogonal matrix); `seed` draws the signs or the matrix (stream i
-    uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). Refuses,
+    uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). heads: also
+    rotate each attention head's values and the layer reading them back (QuaRot's R2, `heads`). Refuses,
     naming the part, what cannot be rotated exactly (`streams`), before any edit.
     """
     if not isinstance(model, nn.Module):
@@ -90,34 +106,68 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         raise NormswapError(f"unknown rotation method '{method}': choose hadamard or random")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"`seed` must be an int, not {type(seed).__name__}")
+    if not isinstance(heads, bool):
+        raise NormswapError(f"`heads` must be a bool, not {type(heads).__name__}")
     check_examples(example_inputs)
-    norms = check_norms(model)
+    gains = check_norms(model)
     try:
         inputs = model_inputs(model, example_inputs)
     except NoInputs as e:
         raise NotRotatable(f"no sample input to trace it ({first_line(e, strip=True)})") from None
     try:
-        t = trace(model, inputs, set(norms), rotating=True)
+        t = trace(model, inputs, set(gains), rotating=True)
     except ForwardFailed as e:   # the model's forward failed: say so instead of a traceback
         raise NotRotatable(f"tracing failed: {e}") from None
-    found = find_streams(model, t, norms)
+    found = find_streams(model, t, gains)
+    _check_fixes(model, found)
+    pairs, per_head = _head_pairs(model, found, inputs[0], method, seed) if heads else ([], None)
+    if pairs:
+        found.not_preserved["cache"] = ("the attention's cache: its values (and keys, where one layer makes queries, "
+                                        "keys and values: GPT-2's c_attn) stored rotated per head, read back so: "
+                                        "generation unchanged")
     reference = verification.reference(model, found.not_preserved, example_inputs)
-    report = RotationReport(method, seed, not_preserved=dict(found.not_preserved))
+    report = RotationReport(method, seed, not_preserved=dict(found.not_preserved), inner=found.inner)
     if hasattr(getattr(model, "config", None), "output_hidden_states"):
         report.not_preserved["hidden_states"] = ("output_hidden_states=True: the residual stream inside the model, "
-                                                 "returned rotated (and centred)")
+                                                 "returned rotated" + (" (and centred)" if section(model) else ""))
     with kept_trainable(model):   # new matrices and biases train where what they are added to did
+        if per_head is not None:
+            rotate_heads(model, pairs, per_head[0])
+            report.heads = {"width": per_head[0].shape[0], "q": per_head[1], "pairs": [list(p) for p in pairs]}
         report.untied = _untie(model, found)
         report.added_biases = [r for s in found.streams for r in _fold_kept_biases(model, s)]
         for i, s in enumerate(found.streams):
             q, what = rotation(s.width, method, seed + i)
-            _rotate_stream(model, s, q)
+            _rotate_stream(model, s, q, found)
             report.streams.append({"width": s.width, "q": what, "norms": s.norms,
                                    "writers": [str(w.target) for w in s.writers], "readers": sorted(s.readers)})
             report.unrotated.update(_unrotated(s))
     _record(model, report, found)
     report.verification = _verify(reference, model)
     return report
+
+
+def _head_pairs(model: nn.Module, found: Streams, batch: dict, method: str, seed: int):
+    """(the attention value/output pairs, (R, what it is)) for the per-head rotation; NotRotatable where none."""
+    r, what = rotation(head_width(model), method, seed)
+    pairs = find_pairs(model, found, batch, r)
+    if not pairs:
+        raise NotRotatable(f"no attention found to rotate per head (heads of width {r.shape[0]}): no layer reading a "
+                           "stream whose output, rotated per head, reaches a stream writer's input rotated alike")
+    return pairs, (r, what)
+
+
+def _check_fixes(model: nn.Module, found: Streams) -> None:
+    """A model normswap has not converted (no section: saved as its own architecture) has no place for an output
+    fix's matrix: NotRotatable naming the first norm that would need one."""
+    if section(model) is not None:
+        return
+    for s in found.streams:
+        needs = [*(f"{n}'s output is read by {who}" for n, who in s.kept.items()),
+                 *(f"{w.target.name} writes the stream" for w in s.writers if w.norm or w.entry)]
+        if needs:
+            raise NotRotatable(f"{needs[0]}: its rotation needs a {s.width} x {s.width} matrix after it, which only a "
+                               "model normswap converted stores (its own architecture has no place for it)")
 
 
 def _verify(reference, model: nn.Module) -> dict:
@@ -168,18 +218,13 @@ def _untie_shared(model: nn.Module) -> list[str]:
     return names
 
 
-def _times_q(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
-    """t with its dim `dim` multiplied by q (x -> xQ along that dim), in float64."""
-    return (t.double().movedim(dim, -1) @ q).movedim(-1, dim)
-
-
 @torch.no_grad()
 def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int]) -> None:
     if isinstance(w.target, Param):
         p, axis = named_tensor(model, w.target.name), w.target.axis
         if id(p) not in done:
             done.add(id(p))
-            p.copy_(_times_q(p, p.dim() + axis if axis < 0 else axis, q.to(p.device)).to(p.dtype))
+            p.copy_(times(p, p.dim() + axis if axis < 0 else axis, q.to(p.device)).to(p.dtype))
         return
     layer = model.get_submodule(w.target.name)
     if w.centre:   # the conversion's output fix (a tied embedding centred at lookup), moved into the weights
@@ -189,7 +234,7 @@ def _rotate_writer(model: nn.Module, w: Writer, q: torch.Tensor, done: set[int])
     for p in _weights(model, w.target.name):
         if id(p) not in done:
             done.add(id(p))
-            p.copy_(_times_q(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
+            p.copy_(times(p, dim if p is layer.weight else 0, q.to(p.device)).to(p.dtype))
 
 
 @torch.no_grad()
@@ -216,13 +261,13 @@ def _unrotated(s: Stream) -> dict[str, str]:
 
 
 @torch.no_grad()
-def _matrix_fix(model: nn.Module, name: str, width: int, r_in: torch.Tensor | None = None,
+def _matrix_fix(model: nn.Module, name: str, g: Gain, r_in: torch.Tensor | None = None,
                 r_out: torch.Tensor | None = None) -> None:
     """Norm `name` returns what it did (times r_out): its gain, centring and matrix M0 (a rotation before) moved
     into an output fix's matrix M = r_inᵀ·diag(g)·C·M0·r_out (r_in: the rotation of what it reads, r_out: of what
     it writes; None: none), its kept bias b into b·r_out, its gain set to 1."""
     norm = model.get_submodule(name)
-    m = torch.diag(gain(norm, width))
+    m = torch.diag(g.value)
     if getattr(norm, "normswap_centre", False):
         m = m - m.mean(1, keepdim=True)   # diag(g)·C, C = I - 11ᵀ/d: centring is linear
     before = getattr(norm, "normswap_matrix", None)
@@ -239,18 +284,17 @@ def _matrix_fix(model: nn.Module, name: str, width: int, r_in: torch.Tensor | No
         norm.normswap_matrix = nn.Parameter(m)
         if bias is not None and r_out is not None:
             bias.copy_((bias.double() @ r_out.to(bias.device)).to(bias.dtype))
-    if weight is not None:
-        weight.fill_(1.0)
+    g.to_ones(norm)
 
 
 @torch.no_grad()
-def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
+def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor, found: Streams) -> None:
     for n in s.kept:   # before its gain is set to 1 below
-        _matrix_fix(model, n, s.width, r_in=q)
+        _matrix_fix(model, n, found.gains[n], r_in=q)
     done: set[int] = set()   # a tensor shared by two writers (or two readers) is edited once
     for w in s.writers:
         if w.norm:
-            _matrix_fix(model, w.target.name, s.width, r_out=q)
+            _matrix_fix(model, w.target.name, found.gains[w.target.name], r_out=q)
         elif w.entry:   # its input fix centres the value entering the stream, then multiplies it by M <- M·Q
             block = model.get_submodule(w.target.name)
             m = getattr(block, "normswap_input_matrix", None)
@@ -265,28 +309,31 @@ def _rotate_stream(model: nn.Module, s: Stream, q: torch.Tensor) -> None:
         if id(layer.weight) in done:
             continue
         done.add(id(layer.weight))
-        g = gain(model.get_submodule(norm), s.width).to(layer.weight.device)
+        g = found.gains[norm].value.to(layer.weight.device)
         dim = 1 - output_dim(layer)   # the input dim: Linear (out, in), Conv1D (in, out)
         w = layer.weight.double().movedim(dim, -1) * g
         layer.weight.copy_((w @ q.to(w.device)).movedim(-1, dim).to(layer.weight.dtype))
     for n in s.norms:
-        weight = getattr(model.get_submodule(n), "weight", None)
-        if weight is not None:
-            weight.fill_(1.0)
+        found.gains[n].to_ones(model.get_submodule(n))
 
 
 def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
-    """The section says the model is rotated (and no longer centres what the rotation moved into weights)."""
+    """The section says the model is rotated (and no longer centres what the rotation moved into weights). A
+    model without one (RMSNorm already) stays its own architecture: its config's `normswap_rotations`, which
+    transformers keeps as an attribute and computes nothing from, says what was done."""
+    entry = {"method": report.method, "seed": report.seed, "widths": [s["width"] for s in report.streams],
+             "untied": report.untied, "unrotated": sorted(report.unrotated),
+             **({"heads": report.heads["width"]} if report.heads else {})}
     record = section(model)
     if record is None:
+        if has_config(model):
+            model.config.normswap_rotations = [*getattr(model.config, "normswap_rotations", []), entry]
         return
     moved = {w.target.name for s in found.streams for w in s.writers if w.centre} | \
         {n for s in found.streams for n in s.biased}   # now in the weights
     fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
     fixes.update({n: describe_fix(model.get_submodule(n)) for n in report.unrotated})   # their matrices
-    rotations = record.get("rotations", []) + [{"method": report.method, "seed": report.seed,
-                                                "widths": [s["width"] for s in report.streams],
-                                                "untied": report.untied, "unrotated": sorted(report.unrotated)}]
+    rotations = record.get("rotations", []) + [entry]
     new = {**record, "output_fixes": fixes, "rotations": rotations,
            "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}
     if report.not_preserved:

@@ -24,6 +24,9 @@ import torch
 
 from normswap.surgery.flow import ZERO, Flow, canonical, codes_of
 
+# Calls that only look at a tensor's shape, dtype or device: neither a use nor a new value.
+IGNORE = {"empty_like", "ones_like", "full_like", "new_ones", "new_empty", "new_full", "new_tensor", "size",
+          "dim", "numel", "is_floating_point", "__len__", "get_device", "is_complex", "element_size"}
 IDENTITY = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "detach", "contiguous", "clone",
             "requires_grad_", "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
             "feature_alpha_dropout", "__get__.data"}
@@ -73,8 +76,8 @@ def _fills_zero(name: str, args, kwargs, followed: set[int]) -> bool:
         return isinstance(value, (int, float)) and value == 0 or \
             isinstance(value, torch.Tensor) and value.numel() == 1 and not bool(value.any())
     if name == "where":
-        sides = list(args[1:3]) + [kwargs[k] for k in ("input", "other") if k in kwargs]
-        return all(id(s) in followed or isinstance(s, (int, float)) and s == 0 for s in sides) and len(sides) == 2
+        sides = _where_sides(args, kwargs)
+        return all(id(s) in followed or _zero(s) for s in sides) and len(sides) == 2
     if name in ("__setitem__", "index_put", "index_put_"):
         value = args[2] if len(args) > 2 else kwargs.get("values")
         accumulate = kwargs.get("accumulate", args[3] if name != "__setitem__" and len(args) > 3 else False)
@@ -82,6 +85,30 @@ def _fills_zero(name: str, args, kwargs, followed: set[int]) -> bool:
     if name == "copy_":
         return id(args[1]) in followed
     return True
+
+
+def _zero(value) -> bool:
+    """A constant zero: a number, or a tensor the trace does not follow holding only zeros (`einx.where(m, h, 0.)`
+    runs `where(m, h, asarray(0.).reshape(1, 1, 1))`)."""
+    if isinstance(value, torch.Tensor):
+        return not bool(value.any())
+    return isinstance(value, (int, float)) and value == 0
+
+
+def _where_sides(args, kwargs) -> list:
+    return list(args[1:3]) + [kwargs[k] for k in ("input", "other") if k in kwargs]
+
+
+def _integer_zeros(name: str, args, kwargs, table: dict[int, torch.Tensor], followed: set[int]):
+    """where's constant zero sides as integer zeros (the codes are integers: a float zero would make the result
+    float), given in `table` (tensors) or in the returned args (numbers)."""
+    if name != "where":
+        return args, kwargs
+    for side in _where_sides(args, kwargs):
+        if isinstance(side, torch.Tensor) and id(side) not in followed:
+            table[id(side)] = torch.zeros(side.shape, dtype=torch.long, device=side.device)
+    ints = tuple(0 if i in (1, 2) and isinstance(a, float) else a for i, a in enumerate(args))
+    return ints, {k: 0 if k in ("input", "other") and isinstance(v, float) else v for k, v in kwargs.items()}
 
 
 RESHAPE = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
@@ -160,13 +187,14 @@ def rearranged(func, name: str, args, kwargs, ins: list, outs: list) -> list[Flo
     inplace = name.endswith("_") and not name.endswith("__") or name == "__setitem__"
     if inplace:
         table[id(args[0])] = table[id(args[0])].clone()
+    args, kwargs = _integer_zeros(name, args, kwargs, table, {id(x) for x, _ in ins})
     try:
         result = func(*_substitute(args, table), **_substitute(kwargs, table))
     except Exception:   # an operation the codes cannot follow
         return name
     results = [table[id(args[0])]] if inplace else _tensors(result)
-    if len(results) != len(outs) or any(r.shape != o.shape for r, o in zip(results, outs)):
-        return name
+    if len(results) != len(outs) or any(r.shape != o.shape or r.is_floating_point() for r, o in zip(results, outs)):
+        return name   # not a move of the codes (a float result: a constant the codes cannot carry)
     plain = all(f.plain for _, f in ins)
     return [canonical(r, parts, plain) for r in results]
 
@@ -312,3 +340,25 @@ def overflow_guard(args, kwargs) -> bool:
     big = torch.finfo(x.dtype).max / 2
     return all(b is None or isinstance(b, (int, float)) and abs(b) >= big for b in (lo, hi)) and \
         (lo is None or lo < 0) and (hi is None or hi > 0)
+
+
+def carried(name: str, dark, tracked: list, outs: list) -> frozenset | None:
+    """The labels whose per-row shift (along the last dim) an opaque sum carries unchanged, for their use to
+    wait until it is read: a LayerNorm reading it is blind to that shift (one kept: attention without an output
+    projection, x + softmax(q k) v); anything else reading it uses them then. None: used now (any other
+    operation, a value laid out otherwise)."""
+    if not isinstance(dark, Flow) or len(outs) != 1 or name not in SUM and name not in IDENTITY:
+        return None
+    out = outs[0]
+    if out.dim() == 0 or any(f.pure and not f.zero and (f.codes is not None or f.hd != -1 or
+                                                        x.shape[-1] != out.shape[-1]) for x, f in tracked):
+        return None
+    return frozenset().union(*(f.labels if f.pure else f.carried for _, f in tracked))
+
+
+def whole_rows(args, kwargs, x, flow: Flow | None) -> bool:
+    """F.layer_norm over the last dim of a pure, intact value that holds no norm's output (one read so still
+    needs its bias)."""
+    shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+    return flow is not None and flow.pure and not flow.zero and flow.codes is None and flow.hd == -1 and \
+        list(shape or ()) == [x.shape[-1]] and not any(label.kind == "norm" for label in flow.labels)

@@ -11,16 +11,21 @@ linear readers, if any, are left as they are), and one that writes the stream (B
 norms: `Writer.norm`) reads an unrotated input and rotates its output. An opaque value entering the stream
 (Whisper's encoder, after a GELU) is rotated by the block input fix that centres it, with a matrix too.
 
+The norms are normswap's and torch's RMSNorms and any module another library defines that computes
+x * rsqrt(mean(x²) + eps) * g, found by calling it (`probe_rms`), whose gain g is one of its parameters, or one
+plus it (Gemma). A per-head norm inside a block (Qwen3's q and k norms: groups of channels of a layer's output
+that no norm of a stream reads) is no stream's and stays as it is (`Streams.inner`).
+
 Refused, naming the part (`Refusal`): a LayerNorm left (convert exactly first), a pRMSNorm (its RMS of a few
-features does not commute with Q), a norm another library defines (its gain is not known to be a plain
-weight), a norm that did not run or whose input is not a plain sum, a per-head norm (it normalises groups of
-a layer's output), a norm writing the stream whose output is also read (by the model output, a layer) or
-normalised again by a norm writing a stream, or whose input is also part of a rotated stream, an opaque value
-writing the stream without an input fix, a writer also read unnormalised (a head reading the raw stream), a
-writer no weight edit can rotate (a grouped convolution, a non-constant per-channel scale), a bias kept after
-a writer, a centred input. A bias the conversion kept after a norm (its output is also returned, as CLIP's
-text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding the stream
-(`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
+features does not commute with Q), a module whose class says RMSNorm but that computes something else (or whose
+gain is not a parameter), a norm that did not run or whose input is not a plain sum, a per-head norm of a stream's
+writer (it normalises groups of channels the rotation mixes), a norm writing the stream whose output is also read
+(by the model output, a layer) or normalised again by a norm writing a stream, or whose input is also part of a
+rotated stream, an opaque value writing the stream without an input fix, a writer also read unnormalised (a head
+reading the raw stream), a writer no weight edit can rotate (a grouped convolution, a non-constant per-channel
+scale), a bias kept after a writer, a centred input. A bias the conversion kept after a norm (its output is also
+returned, as CLIP's text tower's) is folded into its (linear) readers instead. A tuple or sub-model output holding
+the stream (`hidden_states`) is returned rotated: listed as not preserved, as the exact conversion lists it.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from normswap.norms import PartialRMSNorm, RMSNorm
 from normswap.surgery.algebra import scale_parameter
 from normswap.surgery.labels import Label
 from normswap.surgery.plan import centrable
+from normswap.surgery.probe import NotLayerNorm, probe_rms
 from normswap.surgery.record import OTHER, Trace
 from normswap.surgery.steps import Module, Param, Target
 
@@ -69,12 +75,63 @@ class Stream:
 class Streams:
     streams: list[Stream]
     not_preserved: dict[str, str] = field(default_factory=dict)   # returned output -> why
+    gains: dict[str, Gain] = field(default_factory=dict)   # every norm's (`check_norms`)
+    inner: list[str] = field(default_factory=list)   # per-head norms inside a block, which no rotation reaches
 
 
-def check_norms(model: nn.Module) -> list[str]:
-    """The names of the model's norms, all normswap RMSNorms (or nn.RMSNorm); NotRotatable naming the first
-    that is not one."""
-    names = []
+@dataclass
+class Gain:
+    """A norm's gain: `value` (float64, on the CPU) = its parameter `param` + `offset` (Gemma's 1 + w: offset 1;
+    `param` None: no gain, ones). How the rotation reads it and sets it to ones."""
+    value: torch.Tensor
+    param: str | None = None
+    offset: float = 0.0
+
+    @property
+    def width(self) -> int:
+        return int(self.value.shape[0])
+
+    @torch.no_grad()
+    def to_ones(self, norm: nn.Module) -> None:
+        if self.param is not None:
+            getattr(norm, self.param).fill_(1.0 - self.offset)
+
+
+def _known(m: nn.Module, name: str) -> Gain:
+    """normswap's RMSNorm and torch's, taken at their word: the gain is their weight."""
+    w = getattr(m, "weight", None)
+    if w is None:
+        return Gain(torch.ones(_width(m, name), dtype=torch.float64))
+    if w.dim() != 1:
+        raise NotRotatable(f"{name} normalises over more than the last dim: only a stream of vectors is rotated")
+    return Gain(w.detach().double().cpu(), "weight")
+
+
+def _probed(m: nn.Module, name: str, said: bool) -> Gain | None:
+    """Another library's module that computes an RMSNorm over the last dim (found by calling it: LlamaRMSNorm,
+    Gemma's 1 + w...): its gain; None for a module that is not one (a layer the trace reads like any other).
+    `said`: its class says RMSNorm, so one that is not exactly one is refused, naming it."""
+    own = list(m.parameters(recurse=False))
+    if next(m.children(), None) is not None or isinstance(m, (nn.Linear, nn.Embedding)) or \
+            not own or any(p.dim() != 1 for p in own) or len({p.shape[0] for p in own}) != 1:
+        if said:
+            raise NotRotatable(f"{name} ({type(m).__name__}) is an RMSNorm whose gain is not one vector over the "
+                               "last dim: it cannot be folded")
+        return None
+    try:
+        found = probe_rms(m, int(own[0].shape[0]))
+    except NotLayerNorm as e:
+        if said:
+            raise NotRotatable(f"{name} ({type(m).__name__}) is not an RMSNorm rotation can fold, "
+                               f"x * rsqrt(mean(x²) + eps) * g: {e}") from None
+        return None
+    return Gain(found.gain, found.param, found.offset)
+
+
+def check_norms(model: nn.Module) -> dict[str, Gain]:
+    """The model's RMSNorms and their gains: normswap's, torch's, and any module another library defines that
+    computes one (probed: `probe_rms`); NotRotatable naming the first norm that cannot be rotated."""
+    norms = {}
     for name, m in model.named_modules():
         kind = norm_kind(m)
         if isinstance(m, PartialRMSNorm):
@@ -83,14 +140,13 @@ def check_norms(model: nn.Module) -> list[str]:
         if kind == "layernorm":
             raise NotRotatable(f"{name} ({type(m).__name__}) is a LayerNorm: convert the model exactly to RMSNorm "
                                "first (`normswap convert --method exact`)")
-        if kind == "rmsnorm":
-            if not isinstance(m, (RMSNorm, nn.RMSNorm)):
-                raise NotRotatable(f"{name} ({type(m).__name__}) is an RMSNorm normswap does not know the gain of: "
-                                   "only normswap's RMSNorm and torch.nn.RMSNorm are folded")
-            names.append(name)
-    if not names:
+        if isinstance(m, (RMSNorm, nn.RMSNorm)):
+            norms[name] = _known(m, name)
+        elif (found := _probed(m, name, kind == "rmsnorm")) is not None:
+            norms[name] = found
+    if not norms:
         raise NotRotatable("the model has no RMSNorm: convert it exactly first (`normswap convert --method exact`)")
-    return names
+    return norms
 
 
 def _sources(t: Trace, norm: str, width: int) -> set[Label]:
@@ -169,9 +225,12 @@ def _writer(model: nn.Module, t: Trace, label: Label) -> Writer:
     return Writer(Module(label.name), centre=bool(centre))
 
 
-def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
-    """The model's streams (see the module docstring) from the trace `t` of the converted model."""
-    widths = {n: _width(model.get_submodule(n), n) for n in norms}
+def find_streams(model: nn.Module, t: Trace, gains: dict[str, Gain]) -> Streams:
+    """The model's streams (see the module docstring) from the trace `t` of the converted model; `gains`: its
+    norms' (`check_norms`)."""
+    widths = {n: g.width for n, g in gains.items()}
+    inner = _inner(t, widths)
+    norms = [n for n in gains if n not in inner]
     writing = {n for n in norms if t.fed_norms.get(Label("norm", n))}   # norms writing a stream: input unrotated
     for w in sorted(writing):
         fed = sorted(t.fed_norms[Label("norm", w)])[0]
@@ -206,7 +265,7 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
             s.biased.append(n)
         for r in readers[n]:
             held = s.readers.setdefault(r, n)
-            if held != n and not _same_gain(model, held, n):
+            if held != n and not torch.equal(gains[held].value, gains[n].value):
                 raise NotRotatable(f"{r} reads both {held} and {n}, whose gains differ: one weight cannot absorb both")
     for s in groups.values():
         labels = sorted({lb for n in s.norms for lb in sources[n]})
@@ -214,7 +273,20 @@ def find_streams(model: nn.Module, t: Trace, norms: list[str]) -> Streams:
     rotated = {n: [*sources[n], *([] if n in kept else [Label("norm", n)])] for n in norms}   # returned rotated
     not_kept = {u.name: "the residual stream, returned rotated (and centred)"
                 for n in norms for lb in rotated[n] for u in t.uses.get(lb, {}) if u.nested}
-    return Streams(list(groups.values()), dict(sorted(not_kept.items())))
+    return Streams(list(groups.values()), dict(sorted(not_kept.items())), gains, inner)
+
+
+def _inner(t: Trace, widths: dict[str, int]) -> list[str]:
+    """The per-head norms inside blocks (Qwen3's q and k norms): each normalises groups of channels of a layer
+    whose output no other norm reads, and writes no stream, so no rotation of a stream changes what it reads or
+    writes. One whose groups are of a stream's writer, or that writes a stream, is left to be refused."""
+    def grouped(n: str) -> bool:
+        return any(ranges != {(0, widths[n])} or t.widths.get(label, widths[n]) != widths[n]
+                   for call in t.calls.get(n, []) if not call.opaque for label, ranges in call.sources.items())
+    heads = [n for n in widths if grouped(n) and not t.fed_norms.get(Label("norm", n))]   # not writing a stream
+    whole = {label for n in widths if n not in heads for call in t.calls.get(n, []) for label in call.sources}
+    return [n for n in heads if not any(label in whole or label.kind != "layer"
+                                        for call in t.calls[n] for label in call.sources)]
 
 
 def _check_writing(t: Trace, writing: set[str], sources: dict[str, set[Label]]) -> None:
@@ -237,14 +309,3 @@ def _width(norm: nn.Module, name: str) -> int:
     if len(shape) != 1:
         raise NotRotatable(f"{name} normalises over more than the last dim: only a stream of vectors is rotated")
     return int(shape[0])
-
-
-def gain(norm: nn.Module, width: int) -> torch.Tensor:
-    """The norm's gain (ones where it has none), in float64."""
-    w = getattr(norm, "weight", None)
-    return torch.ones(width, dtype=torch.float64) if w is None else w.detach().double().cpu()
-
-
-def _same_gain(model: nn.Module, a: str, b: str) -> bool:
-    ga, gb = (getattr(model.get_submodule(n), "weight", None) for n in (a, b))
-    return (ga is None and gb is None) or (ga is not None and gb is not None and torch.equal(ga, gb))

@@ -33,7 +33,8 @@ from normswap.models.modes import eval_mode
 from normswap.parity import by_rows, tensors_in
 from normswap.surgery.flow import NormInput
 from normswap.surgery.labels import Label
-from normswap.surgery.record import IGNORE, Recorder, Trace
+from normswap.surgery.record import Recorder, Trace
+from normswap.surgery.rules import IGNORE
 
 __all__ = ["IGNORE", "ForwardFailed", "Trace", "hooked", "tensors_in", "trace"]
 

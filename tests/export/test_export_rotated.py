@@ -11,7 +11,7 @@ import normswap
 
 pytest.importorskip("onnxruntime")
 from helpers.exact_models import build  # noqa: E402
-from normswap.export.validate import norm_calls  # noqa: E402
+from normswap.export.norm_nodes import norm_calls  # noqa: E402
 
 
 def _rotated(name: str):
@@ -26,8 +26,10 @@ def test_norms_computing_the_same_thing_are_counted_once():
     before, rotated = _rotated("gpt_neox-parallel")
     batch = {"input_ids": torch.randint(0, 50, (1, 6))}
     # before: each block's two norms read one stream with different gains; after: equal gains (1)
-    assert norm_calls(before, batch) == ({"rmsnorm": 5, "layernorm": 0}, {"rmsnorm": 0, "layernorm": 0})
-    assert norm_calls(rotated, batch) == ({"rmsnorm": 5, "layernorm": 0}, {"rmsnorm": 2, "layernorm": 0})
+    assert norm_calls(before, batch) == ({"lowered": 5, "rmsnorm": 5, "layernorm": 0},
+                                         {"lowered": 0, "rmsnorm": 0, "layernorm": 0})
+    assert norm_calls(rotated, batch) == ({"lowered": 5, "rmsnorm": 5, "layernorm": 0},
+                                          {"lowered": 2, "rmsnorm": 2, "layernorm": 0})
 
 
 def test_a_rotated_parallel_block_model_exports_and_validates(tmp_path):

@@ -78,8 +78,8 @@ def test_broken_plan_fails_verification_and_writes_nothing(tmp_path, monkeypatch
     _save_family("gpt2", tmp_path / "src")
     real = exact.plan
 
-    def no_centring(model, sites, inputs=None):  # forget to centre the stream writers: no longer exact
-        p = real(model, sites, inputs)
+    def no_centring(model, sites, inputs=None, **kw):  # forget to centre the stream writers: no longer exact
+        p = real(model, sites, inputs, **kw)
         return dataclasses.replace(p, steps=[s for s in p.steps if not isinstance(s, Centre)])
 
     monkeypatch.setattr(exact, "plan", no_centring)

@@ -24,8 +24,8 @@ def forgetful(monkeypatch):
     """Make the exact plan forget one source of a GPT-2 (transformers.h.0.mlp.c_proj is never centred)."""
     real = exact.plan
 
-    def plan(model, sites, inputs=None, examples=None):
-        p = real(model, sites, inputs, examples)
+    def plan(model, sites, inputs=None, examples=None, **kw):
+        p = real(model, sites, inputs, examples, **kw)
         forgotten = Module("transformer.h.0.mlp.c_proj")
         p.steps = [s for s in p.steps if not (isinstance(s, Centre) and s.target == forgotten)]
         return p

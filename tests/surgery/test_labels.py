@@ -46,18 +46,21 @@ def _plan(**reasons) -> tuple[Plan, list[NormSite]]:
 
 
 def test_the_cause_of_a_refusal_decides_not_its_wording():
-    """Post-LN concerns every norm: no norm is kept back and its refusal is the one the plan gives, whatever
-    either refusal says; a refusal that merely mentions post-LN is an ordinary one."""
+    """A post-LN refusal is the one the plan gives, whatever either refusal says (a refusal that merely mentions
+    post-LN is an ordinary one); a parameter that never ran concerns every norm: no norm is kept back."""
     post_ln = Refusal(Cause.POST_LN, "b feeds the stream and is read too", ("b",))
     worded = Refusal(Cause.READ, "a is read by post-LN.proj", ("a",))
     p, sites = _plan(a=worded, b=post_ln)
     assert p.reason == "b feeds the stream and is read too" and p.refusal is post_ln
-    assert type(p.reason) is str and keepable(p, sites) == {}
+    assert type(p.reason) is str and keepable(p, sites) == {"a": worded, "b": post_ln}
     p, sites = _plan(a=worded)
     assert p.reason == "a is read by post-LN.proj" and keepable(p, sites) == {"a": worded}
     assert keepable(p, sites)["a"].cause is Cause.READ
     p.reasons.append(Refusal(Cause.UNRUN, "x did not run", ("x",)))   # model-wide: nothing kept back
     assert keepable(p, sites) == {} and p.reason == "a is read by post-LN.proj"
+    p, sites = _plan()
+    p.norms["c"].sources = [Label("norm", "a")]   # c reads a kept norm's output: c stays too
+    assert {n: r.cause for n, r in keepable(p, sites, {"a"}).items()} == {"c": Cause.PINNED}
     assert _plan()[0].reason is None and _plan()[0].refusal is None
 
 

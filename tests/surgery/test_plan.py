@@ -331,9 +331,20 @@ def test_auto_falls_back_when_no_sample_input_can_be_built(monkeypatch):
     assert report.method == "naive" and "no sample input to trace it" in report.warnings[0]
 
 
+def test_rwkv_converts_the_norms_its_gated_mix_does_not_reach():
+    """RWKV's gated channel mix (a per-channel gate) makes the stream opaque: the norms reading it stay, named with
+    that cause; the next block's norms read a stream that enters it centred and convert."""
+    model = _fresh(lambda: tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2,
+                                                            attention_hidden_size=D, context_length=32)))
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    assert {r.name for r in report.converted} == {"rwkv.blocks.1.ln1", "rwkv.blocks.1.ln2"}
+    assert {s.refusal.cause for s in report.skipped} == {Cause.MIXED, Cause.OPAQUE}
+    x = [{"input_ids": torch.randint(0, V, (3, 9), generator=torch.Generator().manual_seed(5))}]
+    assert compare(reference, model, x).max_rel <= 1e-5
+
+
 @pytest.mark.parametrize("make, cause", [
-    (lambda: tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=V, hidden_size=D, num_hidden_layers=2,
-                                              attention_hidden_size=D, context_length=32)), Cause.MIXED),
     # the projector reads both towers' raw streams: one such norm per tower is no post-LN chain
     (lambda: tf.VideoLlavaForConditionalGeneration(tf.VideoLlavaConfig(
         vision_config=dict(model_type="clip_vision_model", hidden_size=D, intermediate_size=32, num_hidden_layers=2,

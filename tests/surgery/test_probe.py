@@ -261,3 +261,59 @@ def test_cli_convert_custom_norms(tmp_path):
     converted = normswap.convert(model, method="naive")
     assert converted.num_converted == 5
     assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+class Gain(nn.Module):
+    """One gain vector times a function of x: an RMSNorm in some forms, not in others."""
+
+    def __init__(self, f, d: int = D):
+        super().__init__()
+        self.f, self.g = f, nn.Parameter(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        return self.f(x, self.g)
+
+
+@pytest.mark.parametrize("f, rms", [
+    (lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g, True),
+    (lambda x, g: F.normalize(x, dim=-1) * D ** 0.5 * g, True),              # lucidrains' form
+    (lambda x, g: x / x.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * (1 + g), True),   # Gemma's 1 + w
+    (lambda x, g: F.layer_norm(x, (D,)) * g, False),                         # centred first: a LayerNorm
+    (lambda x, g: x * g, False),                                             # LayerScale
+    (lambda x, g: x / x.abs().amax(-1, keepdim=True) * g, False),            # another scale than the RMS
+])
+def test_computes_rms_norm_by_behaviour(f, rms):
+    from normswap.surgery.probe import computes_rms_norm
+    torch.manual_seed(0)
+    assert computes_rms_norm(Gain(f), D) is rms
+    assert computes_rms_norm(nn.RMSNorm(D), D) and not computes_rms_norm(nn.LayerNorm(D), D)
+
+
+def test_probe_rms_finds_other_libraries_rmsnorms_and_where_their_gain_lives():
+    """probe_rms: LlamaRMSNorm's gain is its weight, Gemma's is 1 + weight (exact bits, the module's eps); a
+    LayerNorm (it subtracts the mean) and a per-channel scale are not RMSNorms."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from normswap.surgery.probe import probe_rms
+    g = torch.Generator().manual_seed(0)
+    for cls, offset in ((LlamaRMSNorm, 0.0), (GemmaRMSNorm, 1.0)):
+        norm = cls(D, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        found = probe_rms(norm, D)
+        assert (found.param, found.offset, found.eps) == ("weight", offset, 1e-5), cls
+        assert torch.equal(found.gain, norm.weight.detach().double() + offset)
+    with pytest.raises(NotLayerNorm, match="adds a bias after normalising"):
+        probe_rms(_perturbed(nn.LayerNorm(D)), D)
+    with pytest.raises(NotLayerNorm, match="not an RMSNorm over the last dimension"):
+        probe_rms(nn.LayerNorm(D, bias=False), D)
+
+    class Scale(nn.Module):   # LayerScale: a 1-D parameter, no normalisation
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.rand(D) + 0.5)
+
+        def forward(self, x):
+            return x * self.gamma
+    with pytest.raises(NotLayerNorm, match="scales with the input"):
+        probe_rms(Scale(), D)

@@ -153,3 +153,29 @@ def test_depth_anything_converts_exactly_around_the_backbones_mask_token():
     # Dinov2 on its own passes bool_masked_pos to its embeddings: reachable there, and run by its inputs
     dino = tf.Dinov2Model(tf.Dinov2Config(**{k: v for k, v in DINO.items() if k != "model_type"}))
     assert not unreachable(dino, "embeddings.mask_token")
+
+
+class Switched(nn.Module):
+    """A module built but read only under a constructor switch (MONAI's `with_cross_attention`)."""
+
+    def __init__(self, on: bool = False):
+        super().__init__()
+        self.with_extra, self.main, self.extra = on, nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        x = self.main(x)
+        if self.with_extra and x.dim() > 1:
+            x = x + self.extra(x)
+        return x
+
+
+class Toggled(Switched):
+    def enable(self):   # set after __init__: another call could turn it on
+        self.with_extra = True
+
+
+def test_a_switch_that_is_off_makes_what_it_guards_unreachable():
+    assert unreachable(Switched(), "extra.weight")
+    assert not unreachable(Switched(), "main.weight")   # read unconditionally
+    assert not unreachable(Switched(on=True), "extra.weight")   # on: it runs
+    assert not unreachable(Toggled(), "extra.weight")   # the code can turn it on

@@ -244,13 +244,6 @@ def test_refuses_a_layer_reading_the_raw_stream():
         rotate(RawReader(), example_inputs=torch.randint(0, 11, (2, 5)))
 
 
-def test_refuses_a_norm_of_another_library():
-    config = tf.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                            num_attention_heads=4, max_position_embeddings=32)
-    with pytest.raises(NotRotatable, match=r"input_layernorm \(LlamaRMSNorm\) is an RMSNorm normswap"):
-        rotate(tf.LlamaForCausalLM(config))
-
-
 def test_refuses_bad_arguments_in_one_line():
     with pytest.raises(NormswapError, match="unknown rotation method 'givens'"):
         rotate(RawReader(), method="givens")
@@ -364,3 +357,22 @@ def test_a_compiled_model_rotates_inside_its_wrapper_and_frozen_stays_frozen():
     with torch.no_grad():
         got, want = wrapper(**batch).last_hidden_state, before(**batch).last_hidden_state
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("name,pair", [("gpt2", ("transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj")),
+                                       ("opt", ("model.decoder.layers.0.self_attn.v_proj",
+                                                "model.decoder.layers.0.self_attn.out_proj"))])
+def test_converted_models_rotate_per_head_too(name, pair):
+    """R2 on exactly converted models: GPT-2's fused c_attn pairs as a whole (no rotary embedding: queries and
+    keys rotated alike keep their products), its cache listed as stored rotated; GPT-NeoX's (rotary) pairs none."""
+    original = build(name)
+    model, _ = _converted(copy.deepcopy(original))
+    report = rotate(model, heads=True)
+    assert report.heads["pairs"][0] == list(pair) and "rotated per head" in report.not_preserved["cache"]
+    x = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        want = original(x).logits
+        assert ((model(x).logits - want).abs().max() / want.abs().max()).item() < 1e-5
+    neox, _ = _converted(build("gpt_neox-sequential"))
+    with pytest.raises(NotRotatable, match="no attention found to rotate per head"):
+        rotate(neox, heads=True)

@@ -152,12 +152,8 @@ def _bert():
     (_bert, Cause.POST_LN, "embeddings.LayerNorm"),
     (lambda: tf.OPTForCausalLM(tf.OPTConfig(vocab_size=V, hidden_size=D, ffn_dim=64, num_hidden_layers=2,
                                             num_attention_heads=4, do_layer_norm_before=False)), Cause.POST_LN, ""),
-    (lambda: tf.BloomForCausalLM(tf.BloomConfig(vocab_size=V, hidden_size=D, n_layer=2, n_head=4,
-                                                apply_residual_connection_post_layernorm=True)),
-     Cause.POST_LN, "h.0.input_layernorm"),
+    # BLOOM's post-LN variant keeps its post-LN norms, its embedding norm exact: test_exact
     (lambda: tf.CLIPVisionModel(tf.CLIPVisionConfig(**VISION)), Cause.STREAM, ""),   # the model output reads it
-    (lambda: tf.Wav2Vec2ForCTC(wav2vec2_config(do_stable_layer_norm=False)), Cause.POST_LN,
-     "wav2vec2.encoder.layer_norm"),
 ])
 def test_refused_from_the_graph_with_the_norm_named(make, cause, named):
     model = perturb(make()).eval()
@@ -166,6 +162,17 @@ def test_refused_from_the_graph_with_the_norm_named(make, cause, named):
         normswap.convert(model, method="exact")
     assert e.value.cause is cause and e.value.refusal.modules[0].endswith(named)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # untouched
+
+
+def test_post_ln_wav2vec2_keeps_its_encoder_and_converts_its_feature_projection():
+    model = perturb(tf.Wav2Vec2ForCTC(wav2vec2_config(do_stable_layer_norm=False))).eval()
+    reference = copy.deepcopy(model)
+    report = normswap.convert(model, method="exact")
+    assert [r.name for r in report.converted] == ["wav2vec2.feature_projection.layer_norm"]
+    kept = {s.name: s.refusal.cause for s in report.skipped if s.refusal}
+    assert kept["wav2vec2.encoder.layers.0.layer_norm"] is Cause.POST_LN and len(kept) == 5
+    x = [{"input_values": torch.randn(2, 3000, generator=torch.Generator().manual_seed(3))}]
+    assert compare(reference, model, x).max_rel <= 1e-5
 
 
 class _Positions(nn.Embedding):

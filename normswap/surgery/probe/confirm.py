@@ -11,9 +11,10 @@ from normswap.surgery.probe.estimate import Estimate
 from normswap.surgery.probe.runner import NotLayerNorm, call
 
 
-def confirm(est: Estimate, gain: torch.Tensor, b: torch.Tensor | None, eps: float, g: torch.Generator) -> None:
+def confirm(est: Estimate, gain: torch.Tensor, b: torch.Tensor | None, eps: float, g: torch.Generator,
+            centred: bool = True) -> None:
     """Raise `NotLayerNorm` unless `est`'s copy of the module gives LN(x) with `gain`, `b`, `eps` within
-    `est.tol` on random rows drawn from `g`."""
+    `est.tol` on random rows drawn from `g` (`centred=False`: RMSNorm(x), the mean kept)."""
     d = gain.shape[0]
     scales = torch.tensor([3.0, 0.3, 30.0] + ([math.sqrt(eps) * f for f in (0.5, 2.0)] if eps > 0 else []),
                           dtype=torch.float64)[:, None]
@@ -25,9 +26,11 @@ def confirm(est: Estimate, gain: torch.Tensor, b: torch.Tensor | None, eps: floa
         raise
     except Exception as e:
         raise NotLayerNorm(f"fails on a probe ({type(e).__name__})") from None
-    xc = xt - xt.mean(-1, keepdim=True)
+    xc = xt - xt.mean(-1, keepdim=True) if centred else xt
     ref = gain * xc / (xc.pow(2).mean(-1, keepdim=True) + eps).sqrt() + (0 if b is None else b)
     err = float((yt - ref).abs().max())
+    if not err <= est.tol and not centred:
+        raise NotLayerNorm(f"not an RMSNorm over the last dimension (off by {err:.2g} on a probe)")
     if not err <= est.tol:
         mean_kept = gain * xt / (xt.pow(2).mean(-1, keepdim=True) + eps).sqrt() + (0 if b is None else b)
         if float((yt - mean_kept).abs().max()) <= est.tol:

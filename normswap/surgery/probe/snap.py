@@ -20,9 +20,9 @@ def snap(module: nn.Module, est: Estimate) -> tuple[torch.Tensor, torch.Tensor |
         eps = own_eps
     else:
         eps = round_eps(est.eps)
-    own = {n: p.detach().double().cpu() for n, p in module.named_parameters(recurse=False) if p.shape == (d,)}
-    used, gain = next(((n, v) for n in first(own, "weight") for v in (own[n], own[n] + 1) if close(gain, v, tol)),
-                      (None, gain))   # own[n] + 1: "1P" norms
+    own = vectors(module, d)
+    used, offset = own_gain(module, gain, tol) or (None, 0.0)
+    gain = gain if used is None else own[used] + offset
     if used is None and close(gain, torch.ones_like(gain), tol):
         gain = torch.ones_like(gain)   # a non-parametric LayerNorm
     has_bias = isinstance(getattr(module, "bias", None), torch.Tensor)
@@ -30,6 +30,19 @@ def snap(module: nn.Module, est: Estimate) -> tuple[torch.Tensor, torch.Tensor |
     if not has_bias and close(b, torch.zeros_like(b), tol):
         b = None
     return gain, b, eps
+
+
+def vectors(module: nn.Module, d: int) -> dict[str, torch.Tensor]:
+    """The module's own 1-D parameters of width d, float64 on the CPU."""
+    return {n: p.detach().double().cpu() for n, p in module.named_parameters(recurse=False) if p.shape == (d,)}
+
+
+def own_gain(module: nn.Module, gain: torch.Tensor, tol: float) -> tuple[str, float] | None:
+    """(the module's own parameter p, offset) with gain = p + offset within `tol` (offset 1: "1P" norms,
+    Gemma's 1 + w), the weight tried first; None where none is."""
+    own = vectors(module, gain.shape[0])
+    return next(((n, off) for n in first(own, "weight") for off in (0.0, 1.0) if close(gain, own[n] + off, tol)),
+                None)
 
 
 def attr_eps(module: nn.Module) -> float | None:
