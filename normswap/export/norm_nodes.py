@@ -48,7 +48,8 @@ def _norm_kind(module: nn.Module) -> str | None:
     return None
 
 
-def _norm_kinds(model: nn.Module) -> dict[nn.Module, str]:
+def norm_kinds(model: nn.Module) -> dict[nn.Module, str]:
+    """Every norm of `model` and its kind (`_norm_kind`: some found by calling a copy of the module)."""
     return {m: kind for m in model.modules() if (kind := _norm_kind(m)) is not None}
 
 
@@ -60,12 +61,12 @@ def _kinds(kind: str) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def _calls(model: nn.Module, batch: dict) -> list[tuple[str, nn.Module, object]]:
-    """(kind, module, first argument) of each norm call of `model(**batch)`, in order."""
+def _calls(model: nn.Module, batch: dict, kinds: dict[nn.Module, str]) -> list[tuple[str, nn.Module, object]]:
+    """(kind, module, first argument) of each norm call of `model(**batch)` among `kinds`, in order."""
     calls = []
     handles = [m.register_forward_hook(lambda mod, args, _, kind=kind: calls.append((kind, mod, args[0] if args
                                                                                      else None)))
-               for m, kind in _norm_kinds(model).items()]
+               for m, kind in kinds.items()]
     try:
         model(**batch)
     finally:
@@ -74,15 +75,17 @@ def _calls(model: nn.Module, batch: dict) -> list[tuple[str, nn.Module, object]]
     return calls
 
 
-def norm_calls(model: nn.Module, batch: dict) -> tuple[dict[str, int], dict[str, int]]:
+def norm_calls(model: nn.Module, batch: dict, kinds: dict[nn.Module, str] | None = None) \
+        -> tuple[dict[str, int], dict[str, int]]:
     """({kind: calls}, {kind: repeats}) of the norms `model(**batch)` calls, kinds "lowered" (normswap's own: one
     fused RMS node each), "rmsnorm" (those and any other RMSNorm: fused or left op by op) and "layernorm" (a norm
     called twice is two nodes; one never called, none). A repeat computes what
     an earlier call computed: the same input tensor, the same kind, eps and weight values (a parallel block's two
-    norms once a rotation set both gains to 1); the exporter's common-subexpression elimination keeps one node."""
+    norms once a rotation set both gains to 1); the exporter's common-subexpression elimination keeps one node.
+    `kinds`: `norm_kinds(model)`, where the caller has it already."""
     counts, repeats = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
     seen = set()   # the calls' inputs are held in the list until the end: no later tensor reuses an address seen
-    for kind, module, x in _calls(model, batch):
+    for kind, module, x in _calls(model, batch, norm_kinds(model) if kinds is None else kinds):
         for k in _kinds(kind):
             counts[k] += 1
         if not isinstance(x, torch.Tensor):
@@ -97,14 +100,16 @@ def norm_calls(model: nn.Module, batch: dict) -> tuple[dict[str, int], dict[str,
     return counts, repeats
 
 
-def constant_calls(model: nn.Module, batch: dict) -> dict[str, int]:
+def constant_calls(model: nn.Module, batch: dict, kinds: dict[nn.Module, str] | None = None) -> dict[str, int]:
     """{kind: calls} of the norms whose input is the same whatever the batch's floating values (a norm of learnt
-    latents or queries): onnxruntime folds such a norm into a constant where the graph's shapes allow it."""
+    latents or queries): onnxruntime folds such a norm into a constant where the graph's shapes allow it. `kinds`:
+    as for `norm_calls`."""
+    kinds = norm_kinds(model) if kinds is None else kinds
     g = torch.Generator().manual_seed(0)
     other = wrap.substitute(batch, iter([torch.randn(t.shape, generator=g).to(t) if t.is_floating_point() else t
                                          for _, t in wrap.flat_inputs(batch)]))
     constant = dict.fromkeys(KINDS, 0)
-    for (kind, _, x), (_, _, y) in zip(_calls(model, batch), _calls(model, other)):
+    for (kind, _, x), (_, _, y) in zip(_calls(model, batch, kinds), _calls(model, other, kinds)):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y):
             for k in _kinds(kind):
                 constant[k] += 1

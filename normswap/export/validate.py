@@ -21,7 +21,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, onnx_fingerprint, translate, wrap
-from normswap.export.norm_nodes import check_fused, constant_calls, norm_calls
+from normswap.export.norm_nodes import check_fused, constant_calls, norm_calls, norm_kinds
 from normswap.parity import tensors
 
 SIZES = ((1, 7), (3, 33))
@@ -325,7 +325,8 @@ def validate_module(staged: Path, report, reference: nn.Module, batches: list[di
     """`validate_export` for a module exported on example inputs (`batches`, bound and placed for `reference`,
     the fp32 model); every output within fp32_tol * max |output| (fp16: fp16_tol * max(1, max |output|))."""
     sess = opened(staged, report)
-    check_fused(report, *norm_calls(reference, batches[0]), constant_calls(reference, batches[0]))
+    kinds = norm_kinds(reference)   # probed once (a copy of each candidate module called) for both counts
+    check_fused(report, *norm_calls(reference, batches[0], kinds), constant_calls(reference, batches[0], kinds))
     np_dtype = np.float16 if report.fp16 else np.float32
     for i, (batch, what) in enumerate(_runs(sess, reference, batches)):
         error = NormswapError if i < len(batches) else GrownFails   # the examples come first
