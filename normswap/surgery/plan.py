@@ -92,10 +92,15 @@ def _conflict(t: Trace, label: Label, ranges) -> User | None:
 
 
 def _mixed(t: Trace, user: User, what: str, modules: tuple) -> Refusal | None:
-    """The refusal when `user` read the stream only because it mixed it with an opaque value."""
-    cause = t.poison.get(user)
-    return None if cause is None else Refusal(Cause.MIXED, f"the stream that {what} is mixed ({user}) with a value "
-                                              f"that went through {cause}, which no weight edit centres", modules)
+    """The refusal when `user` read the stream only because it mixed it with an opaque value, or summed or moved
+    it so that the trace cannot follow its rows (a sum of values laid out otherwise: MLP-Mixer's token mixing)."""
+    if (cause := t.poison.get(user)) is not None:
+        return Refusal(Cause.MIXED, f"the stream that {what} is mixed ({user}) with a value that went through "
+                       f"{cause}, which no weight edit centres", modules)
+    if (why := t.passes.get(user)) is not None:
+        return Refusal(Cause.MIXED, f"the stream that {what} goes through {user}: {why}, whose rows no weight edit "
+                       "centres", modules)
+    return None
 
 
 def _stream(user: User, name: str) -> Refusal:

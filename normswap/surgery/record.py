@@ -139,6 +139,8 @@ class Recorder(TorchFunctionMode):
             carried = None if self.rotating else rules.carried(name, flows, tracked, outs)
             if isinstance(flows, Flow) and carried is None:   # mixed with an opaque value: that value is the cause
                 self.trace.poison[user] = flows.opaque
+            elif isinstance(flows, str) and (name in rules.SUM or name in rules.MOVE):   # the stream passes here
+                self.trace.passes.setdefault(user, flows + self.where())
             for x, f in tracked if carried is None else ():
                 self.use(x, f, user)
             labels = frozenset().union(*(f.labels for _, f in tracked))

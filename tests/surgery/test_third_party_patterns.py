@@ -256,6 +256,26 @@ def test_metaformer_then_transformer_names_the_real_cause():
     assert "meta.mlp.0 (Conv2d)" in str(e.value)
 
 
+
+class TokenMixer(Tiny):
+    """MLP-Mixer's token mixing: a Linear across positions, its output transposed back and added to the stream."""
+
+    def __init__(self):
+        super().__init__()
+        del self.fc
+        self.tok = nn.Linear(5, 5)
+
+    def block(self, x):
+        return x + self.tok(self.ln1(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_token_mixing_names_the_sum_of_differently_laid_out_values():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(TokenMixer()), method="exact", example_inputs=ids(2, 5))
+    # not "read unnormalised by operation 'add'": the sum itself is the cause, and what it sums is named
+    assert e.value.cause is Cause.MIXED and e.value.refusal.modules == ("emb", "ln1"), str(e.value)
+    assert "differently laid out values (emb, tok)" in str(e.value)
+
 # 8. Partial where partial is possible: a later stage that cannot convert keeps its norms
 class LaterStagePostLN(Tiny):
     """A pre-LN stage, a norm, then a post-LN stage (its norms' outputs are the stream and are read)."""
