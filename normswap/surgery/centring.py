@@ -2,9 +2,10 @@
 a bias after it (input fixes: centre the first input of a block instead).
 
 The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
-embedding norm, a headless model's final norm, Whisper's encoder stream; see `exact`). They are forward
-hooks defined in `io.portable`, the module every converted folder ships, so that what the conversion
-installs and what loading re-applies (in normswap and in plain transformers) is one piece of code.
+embedding norm, a headless model's final norm, Whisper's encoder stream; see `exact`). They are part of the
+module's own forward (its class swapped for `portable.fixed_class`, no hook), defined in `folder.portable`, the
+module every converted folder ships, so that what the conversion installs and what loading re-applies (in
+normswap and in plain transformers) is one piece of code.
 """
 from __future__ import annotations
 
