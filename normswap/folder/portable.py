@@ -271,15 +271,11 @@ def fixed_instance(base: type, output: bool, input: bool) -> nn.Module:
 
 @functools.cache   # one class per module class and kind of fix: the fixed modules of a model share it
 def fixed_class(base: type, output: bool, input: bool) -> type:
-    """`base` with the fixes in its forward: the input fix (`centre_input`) before `base.forward`, the output fix
-    (`fixed`, reading the module's `normswap_*` attributes at each call) after it. No hook: the hot path is one
-    Python call more than the original's (hooks send every call of the module through torch's slow path). Same
-    name, so that transformers' checks by class name (`_no_split_modules`) and by `isinstance` still hold."""
+    """`base` with the fixes in its forward (`fixed_call`). No hook: the hot path is one Python call more than the
+    original's (hooks send every call of the module through torch's slower path). Same name, so that
+    transformers' checks by class name (`_no_split_modules`) and by `isinstance` still hold."""
     def forward(self, *args, **kwargs):
-        if input:
-            args, kwargs = centre_input(self, args, kwargs)
-        out = base.forward(self, *args, **kwargs)
-        return _fix_output(self, out) if output else out
+        return fixed_call(self, base.forward, args, kwargs)
 
     forward.__signature__ = inspect.signature(base.forward)   # as the original's (`first_input` reads it)
     return type(base.__name__, (Fixed, base), {"forward": forward, "__module__": base.__module__,
@@ -287,12 +283,27 @@ def fixed_class(base: type, output: bool, input: bool) -> type:
                                                "normswap_fixes": (output, input)})
 
 
+def fixed_call(module: nn.Module, inner, args: tuple, kwargs: dict):
+    """inner(module, *args, **kwargs) (the module's own class's forward, or one export puts in its place) between
+    the module's fixes: its first input centred (`centre_input`) before, its output fixed (`fixed`, reading its
+    `normswap_*` attributes at each call) after."""
+    output, input = module.normswap_fixes
+    if input:
+        args, kwargs = centre_input(module, args, kwargs)
+    out = inner(module, *args, **kwargs)
+    return _fix_output(module, out) if output else out
+
+
+def unfixed_class(module: nn.Module) -> type:
+    """The module's class without its fixes (its own where it has none)."""
+    return module.normswap_base if isinstance(module, Fixed) else type(module)
+
+
 def _add_fix(module: nn.Module, output: bool = False, input: bool = False) -> None:
     """Swap `module`'s class for its fixed class, with this fix added to those it has (its parameters, their names
     and any tying stay: the instance is the same)."""
-    has = type(module).normswap_fixes if isinstance(module, Fixed) else (False, False)
-    base = module.normswap_base if isinstance(module, Fixed) else type(module)
-    module.__class__ = fixed_class(base, has[0] or output, has[1] or input)
+    has = module.normswap_fixes if isinstance(module, Fixed) else (False, False)
+    module.__class__ = fixed_class(unfixed_class(module), has[0] or output, has[1] or input)
 
 
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
