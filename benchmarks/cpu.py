@@ -391,8 +391,8 @@ def bench_models(args, reps: int) -> None:
 
 
 class PartTimer:
-    """Thread CPU time spent inside the named modules of `model` (forward, hooks included: a conversion's
-    output and input fixes run inside the interval)."""
+    """Thread CPU time spent inside the named modules of `model` (their forward, where a conversion's output and
+    input fixes run: the interval holds them)."""
 
     def __init__(self, model: nn.Module, names: list[str]):
         self.total, self.start, self.handles = 0.0, 0.0, []
