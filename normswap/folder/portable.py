@@ -16,6 +16,7 @@ normswap; a test fails if the shipped copy differs from this file.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -247,22 +248,75 @@ def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None, matrix: to
     return out if bias is None else out + bias
 
 
-def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
+def _fix_output(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     p = module._parameters   # not getattr(m, name, None): an absent name raises an AttributeError per call
     return fixed(out, module.normswap_centre, p.get("normswap_bias"), p.get("normswap_matrix"))
 
 
+class Fixed:
+    """What every class `fixed_class` makes derives from first: a module whose own forward applies its fixes."""
+
+    normswap_base: type                      # the module's own class
+    normswap_fixes: tuple[bool, bool] = (False, False)   # (output, input)
+
+    def __reduce_ex__(self, protocol):   # pickle and deepcopy: the class is made again, not looked up by its name
+        return fixed_instance, (self.normswap_base, *self.normswap_fixes), self.__getstate__()
+
+
+def fixed_instance(base: type, output: bool, input: bool) -> nn.Module:
+    """An empty instance of `fixed_class(base, output, input)` (unpickling fills its state)."""
+    cls = fixed_class(base, output, input)
+    return cls.__new__(cls)
+
+
+@functools.cache   # one class per module class and kind of fix: the fixed modules of a model share it
+def fixed_class(base: type, output: bool, input: bool) -> type:
+    """`base` with the fixes in its forward (`fixed_call`). No hook: the hot path is one Python call more than the
+    original's (hooks send every call of the module through torch's slower path). Same name, so that
+    transformers' checks by class name (`_no_split_modules`) and by `isinstance` still hold."""
+    def forward(self, *args, **kwargs):
+        return fixed_call(self, base.forward, args, kwargs)
+
+    forward.__signature__ = inspect.signature(base.forward)   # as the original's (`first_input` reads it)
+    return type(base.__name__, (Fixed, base), {"forward": forward, "__module__": base.__module__,
+                                               "__qualname__": base.__qualname__, "normswap_base": base,
+                                               "normswap_fixes": (output, input)})
+
+
+def fixed_call(module: nn.Module, inner, args: tuple, kwargs: dict):
+    """inner(module, *args, **kwargs) (the module's own class's forward, or one export puts in its place) between
+    the module's fixes: its first input centred (`centre_input`) before, its output fixed (`fixed`, reading its
+    `normswap_*` attributes at each call) after."""
+    output, input = module.normswap_fixes
+    if input:
+        args, kwargs = centre_input(module, args, kwargs)
+    out = inner(module, *args, **kwargs)
+    return _fix_output(module, out) if output else out
+
+
+def unfixed_class(module: nn.Module) -> type:
+    """The module's class without its fixes (its own where it has none)."""
+    return module.normswap_base if isinstance(module, Fixed) else type(module)
+
+
+def _add_fix(module: nn.Module, output: bool = False, input: bool = False) -> None:
+    """Swap `module`'s class for its fixed class, with this fix added to those it has (its parameters, their names
+    and any tying stay: the instance is the same)."""
+    has = module.normswap_fixes if isinstance(module, Fixed) else (False, False)
+    module.__class__ = fixed_class(unfixed_class(module), has[0] or output, has[1] or input)
+
+
 def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
                    matrix: torch.Tensor | None = None, side: int = 0) -> None:
-    """Make `module` return centre(out) @ matrix + bias (a forward hook: the module, its parameter names and any
-    tying stay). bias=None with width>0 creates a zero bias `normswap_bias`, matrix=None with side>0 a zero
-    side x side `normswap_matrix` (for loading: the weights fill them)."""
+    """Make `module` return centre(out) @ matrix + bias (in its own forward: `fixed_class`). bias=None with width>0
+    creates a zero bias `normswap_bias`, matrix=None with side>0 a zero side x side `normswap_matrix` (for loading:
+    the weights fill them)."""
     if hasattr(module, "normswap_centre"):
         raise ValueError("module already has an output fix")
     _own(module, "normswap_bias", torch.zeros(width) if bias is None and width else bias)
     _own(module, "normswap_matrix", torch.zeros(side, side) if matrix is None and side else matrix)
     module.normswap_centre = bool(centre)
-    module.register_forward_hook(_fix_output)
+    _add_fix(module, output=True)
 
 
 def first_input(module: nn.Module, args, kwargs) -> str | int | None:
@@ -283,21 +337,22 @@ def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
 
 
 def centre_input(module: nn.Module, args, kwargs):
-    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
-    multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
+    """(args, kwargs) with the first tensor a module is called with (`first_input`) centred, then multiplied by the
+    module's `normswap_input_matrix` where it has one (a rotation's); also a forward pre-hook (with kwargs)."""
     key, m = first_input(module, args, kwargs), module._parameters.get("normswap_input_matrix")
     x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
     return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
 
 
 def add_input_fix(module: nn.Module, side: int = 0) -> None:
-    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity); side>0
-    creates a zero side x side `normswap_input_matrix` to multiply it by (for loading: the weights fill it)."""
+    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity), in its own
+    forward (`fixed_class`); side>0 creates a zero side x side `normswap_input_matrix` to multiply it by (for
+    loading: the weights fill it)."""
     if getattr(module, "normswap_centre_input", False):
         raise ValueError("module already has an input fix")
     _own(module, "normswap_input_matrix", torch.zeros(side, side) if side else None)
     module.normswap_centre_input = True
-    module.register_forward_pre_hook(centre_input, with_kwargs=True)
+    _add_fix(module, input=True)
 
 
 def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:

@@ -285,7 +285,7 @@ class Recorder(TorchFunctionMode):
 
     def entry(self, name: str, args, kwargs) -> None:
         """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
-        an "entry" label, centred by a pre-hook on the block if a norm reads it. So does a floating tensor the
+        an "entry" label, centred by an input fix on the block if a norm reads it. So does a floating tensor the
         model itself was called with, entering a block unchanged (the stream nn.TransformerEncoder is given)."""
         self.stack.append(name)
         if not name:   # the model's own floating inputs: a stream the caller passes in (nn.TransformerEncoder's src)

@@ -279,7 +279,7 @@ def _matrix_fix(model: nn.Module, name: str, g: Gain, r_in: torch.Tensor | None 
     m = m.to(ref.device, ref.dtype)
     if not hasattr(norm, "normswap_centre"):
         add_output_fix(norm, False, matrix=m)
-    else:   # the conversion's fix: its hook reads these attributes at each call
+    else:   # the conversion's fix: its forward reads these attributes at each call
         norm.normswap_centre = False
         norm.normswap_matrix = nn.Parameter(m)
         if bias is not None and r_out is not None:

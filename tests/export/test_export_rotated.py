@@ -1,5 +1,6 @@
 """Export of rotated models: a parallel block's two norms read the same stream and, once the rotation set both
-gains to 1, compute the same thing; the exporter keeps one node for both, and validation counts it so."""
+gains to 1, compute the same thing; the exporter keeps one node for both, and validation counts it so. And the
+fixes of exact conversions, exported."""
 from __future__ import annotations
 
 import copy
@@ -38,3 +39,14 @@ def test_a_rotated_parallel_block_model_exports_and_validates(tmp_path):
     report = normswap.export_onnx(rotated, tmp_path / "m.onnx")
     assert report.validated and sum(report.fused.values()) == 3, report.fused   # one per block, and ln_f
     assert all(r["max_abs"] <= report.tolerance for r in report.parity)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bloom", "gpt2-wide-vocab"])
+def test_an_exact_conversions_fixes_export_and_validate(tmp_path, family):
+    """A norm's own fixes (BLOOM's embedding norm: its output centred, its bias after it) stay around its fused
+    node; a tied embedding's centring and the head's folded bias export as the ops they are."""
+    model = build(family)
+    normswap.convert(model, method="exact")
+    report = normswap.export_onnx(model, tmp_path / "m.onnx")
+    assert report.validated and all(r["max_abs"] <= report.tolerance for r in report.parity)

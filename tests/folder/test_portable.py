@@ -117,3 +117,70 @@ def test_an_output_fix_without_bias_or_matrix_only_centres():
     assert "normswap_bias" not in dict(emb.named_parameters()) and "normswap_matrix" not in dict(emb.named_parameters())
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(emb(ids), emb.weight[ids] - emb.weight[ids].mean(-1, keepdim=True))
+
+
+class Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight (picklable: a module-level class)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _no_hooks(module: torch.nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def fixed_tied() -> tuple[Tied, torch.Tensor]:
+    """`Tied` with every kind of fix: its embedding centred, its head's input centred and a bias added after it;
+    and what it returns for ids [[1, 2, 3]] (the expected values)."""
+    model, ids = Tied(), torch.tensor([[1, 2, 3]])
+    portable.add_output_fix(model.emb, True)
+    portable.add_input_fix(model.head)
+    portable.add_output_fix(model.head, False, torch.randn(10))
+    w = model.emb.weight.detach()
+    e = w[ids] - w[ids].mean(-1, keepdim=True)
+    return model, (e - e.mean(-1, keepdim=True)) @ w.T + model.head.normswap_bias.detach()
+
+
+def test_fixes_are_the_modules_own_forward_not_hooks():
+    """A fixed module keeps its instance, class name, isinstance, parameters (a tie too) and state dict; its fixes
+    run in its own forward (no hook), through deepcopy and pickle."""
+    import copy
+    import pickle
+
+    keys, ids = list(Tied().state_dict()), torch.tensor([[1, 2, 3]])
+    model, want = fixed_tied()
+    assert isinstance(model.emb, torch.nn.Embedding) and type(model.emb).__name__ == "Embedding"
+    assert type(model.head) is portable.fixed_class(torch.nn.Linear, True, True) and _no_hooks(model)
+    assert model.head.weight is model.emb.weight and list(model.state_dict()) == [*keys, "head.normswap_bias"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want)
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert type(other.head) is type(model.head) and other.head.weight is other.emb.weight
+            assert torch.equal(other(ids), model(ids)) and _no_hooks(other)
+
+
+@pytest.mark.slow
+def test_fixed_modules_compile_and_export():
+    model, want = fixed_tied()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, fullgraph=True)(ids), want)
+        torch.testing.assert_close(torch.export.export(model, (ids,)).module()(ids), want)
+
+
+def test_an_input_fix_centres_a_keyword_argument_by_the_original_signature():
+    """Called with keywords only, the input fix centres the first tensor in the original forward's order."""
+    class Block(torch.nn.Module):
+        def forward(self, hidden, mask=None):
+            return hidden if mask is None else hidden * mask
+
+    block = Block()
+    portable.add_input_fix(block)
+    x, mask = torch.randn(2, 4), torch.rand(2, 4)
+    torch.testing.assert_close(block(mask=mask, hidden=x), (x - x.mean(-1, keepdim=True)) * mask)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.exact_models import build
 from helpers.user_models import perturbed
 
 import normswap
@@ -199,14 +200,25 @@ def test_a_failed_verification_leaves_the_model_as_it_was(uncentred):
     model = perturbed(Tiny())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = dict(model.named_modules())
+    classes = {n: type(m) for n, m in modules.items()}
     with pytest.raises(NotExact) as e:
         normswap.convert(model, method="exact", example_inputs=ids(2, 5))
     assert e.value.cause is Cause.UNVERIFIED
     assert dict(model.named_modules()).keys() == modules.keys()
-    assert all(m is modules[n] for n, m in model.named_modules())
+    assert all(m is modules[n] and type(m) is classes[n] for n, m in model.named_modules())   # no fix left
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not hasattr(model.fc, "normswap_centre") and not hasattr(model, "normswap")
+
+
+
+def test_a_failed_verification_takes_the_fixes_back(uncentred):
+    """GPT-2's tied embedding, centred at lookup by its own forward (its class swapped), is an nn.Embedding again."""
+    model = build("gpt2")
+    with pytest.raises(NotExact):
+        normswap.convert(model, method="exact")
+    wte = model.transformer.wte
+    assert type(wte) is nn.Embedding and not hasattr(wte, "normswap_centre") and model.lm_head.bias is None
 
 
 # 7. The cause a refusal names is the real one
