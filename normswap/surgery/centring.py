@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from normswap.folder.portable import add_input_fix, add_output_fix, centre_input, fixed
+from normswap.folder.portable import ONLINE, add_input_fix, add_output_fix, centre_input, fixed
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed"]
 
@@ -21,6 +21,8 @@ def describe_fix(module: nn.Module) -> dict:
     bias, matrix = getattr(module, "normswap_bias", None), getattr(module, "normswap_matrix", None)
     spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
     spec.update({"matrix": int(matrix.shape[0])} if matrix is not None else {})   # a rotation's (format 3)
+    signs, factor = (module._parameters.get(k) for k in ONLINE)
+    spec.update({"online": int(signs.numel()), "online_factor": int(factor.shape[0])} if signs is not None else {})
     if not getattr(module, "normswap_centre_input", False):
         return spec
     m = getattr(module, "normswap_input_matrix", None)
