@@ -7,7 +7,9 @@ residual stream, the RMSNorms' gains folded into their readers and set to 1, the
 each attention head's values rotated in v_proj's rows and undone in o_proj's columns, grouped-query heads sharing the
 matrix), "had" = method hadamard (a randomised Hadamard: 576 = Sylvester 8 (x) Paley 72, head_dim 64 Sylvester),
 "rand" = method random (random orthogonal). The library verifies each rotated copy against the original before it
-returns it. R4 is REFERENCE code here only (the library has no online rotation yet: issue 49's `--online`):
+returns it. R4, an online rotation of down_proj's input, comes two ways: the library's (`normswap.rotate(...,
+online=True)`, columns "+ online": the layers found by behaviour, a fast Walsh-Hadamard transform in a forward
+pre-hook, `normswap.folder.portable.online_rotated`), and the REFERENCE code here (columns "+ R4 ... (reference)"):
 - R4 (`rotate_r4`): an online rotation of down_proj's input: W_down <- W_down H (the (d, intermediate) weight's
   input side) and, at run time, x <- x H before down_proj quantizes x. H is applied in Kronecker form
   diag(s) (A (x) B) (x reshaped (a, b): A^T X B after the signs s), so a Hadamard costs O(n (a + b)) per token.
@@ -16,7 +18,8 @@ returns it. R4 is REFERENCE code here only (the library has no online rotation y
 Every rotated model's fp32 logits are checked against the original's (rel <= 1e-4) on the text before it is quantized.
 
 Quantizers (fake-quant, applied to every Linear of the decoder layers, not the LM head, which QuaRot keeps in high
-precision; R4's online rotation runs before the quantizer): the reference ones here are symmetric round-to-nearest
+precision; R4's online rotation runs before the quantizer: the reference wraps the Linear, the library's is kept on
+the quantized layer, `quantized`): the reference ones here are symmetric round-to-nearest
 with an absmax scale (amax / (2^(b-1) - 1)): weights per output channel or per group of 64 along the input (group
 128 does not divide SmolLM2's width 576), activations per token, dynamic. torchao 0.18's CPU paths where they run
 (`--torchao`): Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig(int4, per axis /
@@ -65,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rotation import linearised  # noqa: E402  (GPT-2's Conv1D as nn.Linear)
 
 import normswap  # noqa: E402
+from normswap.folder.portable import ONLINE, add_online_rotation  # noqa: E402  (the library's R4, kept when quantized)
 from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402  (R4's reference matrices)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "austen"
@@ -174,12 +178,13 @@ def online(n: int, kind: str, g: torch.Generator) -> KronRotation:
 
 @dataclass(frozen=True)
 class Column:
-    """A rotated variant: the library's R1 (and R2: `heads`) of one method, and the reference online R4 (had, rand,
-    hadblock) on top."""
+    """A rotated variant: the library's R1 (and R2: `heads`; R4: `online`) of one method, or the reference online R4
+    (had, rand, hadblock) on top."""
     name: str
     method: str | None = None   # normswap.rotate's: hadamard, random
     heads: bool = False
     r4: str | None = None
+    online: bool = False
 
 
 COLUMNS = {c.name: c for c in (
@@ -189,16 +194,18 @@ COLUMNS = {c.name: c for c in (
     Column("R1+R2 had + R4 had (reference)", "hadamard", True, "had"),
     Column("R1+R2 had + R4 hadblock (reference)", "hadamard", True, "hadblock"),
     Column("R1+R2 rand + R4 rand (reference)", "random", True, "rand"),
+    Column("R1+R2+R4 had (online)", "hadamard", True, online=True),
+    Column("R1+R2+R4 rand (online)", "random", True, online=True),
 )}
 
 
 def rotated(model: nn.Module, col: Column, seed: int = 0) -> nn.Module:
-    """A rotated copy of `model` (or `model` itself for no rotation): normswap.rotate's R1 (+ R2), then the reference
-    R4 (Llama-class module names) drawn from its own generator."""
+    """A rotated copy of `model` (or `model` itself for no rotation): normswap.rotate's R1 (+ R2, + its R4), then the
+    reference R4 (Llama-class module names) drawn from its own generator."""
     if col.method is None:
         return model
     out = copy.deepcopy(model)
-    normswap.rotate(out, method=col.method, seed=seed, heads=col.heads)
+    normswap.rotate(out, method=col.method, seed=seed, heads=col.heads, online=col.online)
     if col.r4:
         g = torch.Generator().manual_seed(seed + 2)
         cfg = model.config
@@ -287,7 +294,9 @@ def _quantized_linears(model: nn.Module) -> list[str]:
 
 
 def quantized(model: nn.Module, q: Quantizer) -> nn.Module:
-    """A copy of `model` with every Linear but the LM head quantized by `q` (fp32: the model itself)."""
+    """A copy of `model` with every Linear but the LM head quantized by `q` (fp32: the model itself); a Linear with
+    the library's online rotation keeps it (a pre-hook: its input is rotated, then quantized). torchao's configs
+    edit the Linears' weights in place: their hooks stay."""
     if q.name == "fp32":
         return model
     out = copy.deepcopy(model)
@@ -300,8 +309,11 @@ def quantized(model: nn.Module, q: Quantizer) -> nn.Module:
         return out
     for name in _quantized_linears(out):
         parent, _, child = name.rpartition(".")
-        setattr(out.get_submodule(parent), child,
-                FakeQuantLinear(out.get_submodule(name), q.wbits, q.group, input_bits(name, q)))
+        old = out.get_submodule(name)
+        new = FakeQuantLinear(old, q.wbits, q.group, input_bits(name, q))
+        if ONLINE[0] in old._parameters:
+            add_online_rotation(new, *(old._parameters[k].detach() for k in ONLINE))
+        setattr(out.get_submodule(parent), child, new)
     return out
 
 
@@ -396,7 +408,8 @@ def llama_outliers(model: nn.Module, ids: torch.Tensor, batch: int) -> dict[str,
 
 @contextlib.contextmanager
 def down_inputs(model: nn.Module):
-    """Collects, in layer order, each down_proj's input (before R4's online rotation, if any) while inside."""
+    """Collects, in layer order, each down_proj's input while inside: before the reference R4's online rotation,
+    after the library's (its pre-hook runs first)."""
     xs: list[torch.Tensor] = []
     hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: xs.append(a[0].detach().clone()))
              for layer in model.model.layers]
@@ -740,8 +753,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "int4 weight-only group 64,W8A6,W4A8", help="Comma-separated names (see QUANTIZERS).")
     ap.add_argument("--torchao", action="store_true", help="Add all of torchao's rows (on --torchao-columns only).")
     ap.add_argument("--torchao-columns", default=",".join(COLUMNS))
-    ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference)")
-    ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference)")
+    ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference),"
+                    "R1+R2+R4 had (online),R1+R2+R4 rand (online)")
+    ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference),"
+                    "R1+R2+R4 had (online)")
     ap.add_argument("--amdahl-columns", default="none,R1+R2 had",
                     help="The amdahl part's columns (the first is the base the bounds divide).")
     ap.add_argument("--gpt2-windows", type=int, default=8)
@@ -757,7 +772,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if "--quantizers" not in (argv or sys.argv):
             a.quantizers = "fp32,W8A8,W8A6"
         if "--columns" not in (argv or sys.argv):
-            a.columns = "none,R1+R2 had,R1+R2 had + R4 had (reference)"
+            a.columns = "none,R1+R2 had,R1+R2+R4 had (online)"
     if a.smoke:   # seconds of scoring (the load and one library rotation remain): the test's
         a.windows, a.seq, a.stat_windows, a.batch, a.parts = 1, 16, 1, 1, "smollm2"
         a.quantizers, a.columns = "fp32,W8A8,torchao W8A8", "none,R1+R2 had"
