@@ -36,7 +36,7 @@ def _writers(model: nn.Module, found: Streams) -> list[str]:
 @torch.no_grad()
 def find_online(model: nn.Module, found: Streams, batch: dict, skip: set[str]) -> list[str]:
     """The stream writers (not in `skip`: R2's) whose input is a channel-wise function of stream readers' outputs
-    (see the module docstring), without one already."""
+    (see the module docstring)."""
     layer = model.get_submodule
     writers = _writers(model, found)
     readers = sorted({r for s in found.streams for r in s.readers if is_linear(layer(r))})
@@ -71,8 +71,12 @@ def find_online(model: nn.Module, found: Streams, batch: dict, skip: set[str]) -
         run(model, batch, [layer(w).register_forward_pre_hook(record(w)) for w in writers])
         run(model, batch, [layer(r).register_forward_hook(permute) for r in readers] +
             [layer(w).register_forward_pre_hook(check(w)) for w in writers])
-    taken = {w for w in writers if ONLINE[0] in layer(w)._parameters}
-    return [w for w in writers if hits.get(w) and w not in skip and w not in taken]
+    return [w for w in writers if hits.get(w) and w not in skip]
+
+
+def rotated_online(model: nn.Module, found: Streams) -> list[str]:
+    """The stream writers rotated online already (their input, rotated first, no longer follows a permutation)."""
+    return [w for w in _writers(model, found) if ONLINE[0] in model.get_submodule(w)._parameters]
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, ou
 from normswap.surgery.centring import add_output_fix, describe_fix
 from normswap.surgery.convert import probe_of
 from normswap.surgery.heads import find_pairs, head_width, rotate_heads
-from normswap.surgery.online import find_online, rotate_online
+from normswap.surgery.online import find_online, rotate_online, rotated_online
 from normswap.surgery.orthogonal import METHODS, rotation, times
 from normswap.surgery.steps import Param
 from normswap.surgery.streams import NotRotatable, Gain, Stream, Streams, Writer, check_norms, find_streams
@@ -178,6 +178,8 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
 def _online_layers(model: nn.Module, found: Streams, batch: dict, pairs: list[tuple[str, str]]) -> list[str]:
     """The layers to rotate online (`online.find_online`; R2's are its); NotRotatable where none."""
     layers = find_online(model, found, batch, {o for _, o in pairs})
+    if not layers and (done := rotated_online(model, found)):
+        raise NotRotatable(f"{done[0]} is rotated online already: no layer left to rotate online")
     if not layers:
         raise NotRotatable("no layer to rotate online: none writes the stream from a channel-wise function of "
                            "layers reading it (an MLP's down projection)")

@@ -78,6 +78,8 @@ def test_llama_rotates_each_down_projection_online_and_keeps_its_outputs(heads, 
     assert model.config.normswap["rotations"][0]["online"] == downs and "online, before 2 layer(s)" in \
         report.to_table()
     assert type(model).__name__ == "NormswapLlamaForCausalLM"   # its own save_pretrained ships the code
+    with pytest.raises(NotRotatable, match=r"model\.layers\.0\.mlp\.down_proj is rotated online already"):
+        rotate(model, online=True)
 
 
 @pytest.mark.parametrize("name,layer", [("gpt2", "transformer.h.{}.mlp.c_proj"),
