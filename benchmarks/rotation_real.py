@@ -40,6 +40,9 @@ each also split into activations quantized only at down_proj's input (weights fp
 on --amdahl-columns (none, R1+R2 had); the bound is KL_all(none) / KL_down_only(R1+R2), since R1 and R2 leave that
 input as it is (measured: each column's down_proj input against the unrotated model's).
 
+--parts onnx: `normswap.export_onnx(copy, quantize="int8")` of --onnx-columns (none, R1+R2 had, + the library's R4),
+scored in onnxruntime on the same windows.
+
 --parts plain: the rotated SmolLM2 folder (normswap.rotate on the --cache folder, heads=True) loaded by plain
 transformers with its own class (this interpreter's, and --plain-python's: transformers 4.57), against the original.
 """
@@ -480,6 +483,49 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------------ normswap export --quantize int8
+
+class OrtLM:
+    """An ONNX file `normswap.export_onnx` wrote, run in onnxruntime's CPU provider as `score` runs a model."""
+
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+    def __call__(self, input_ids: torch.Tensor):
+        b, t = input_ids.shape
+        feeds = {"input_ids": input_ids.numpy(), "attention_mask": torch.ones(b, t, dtype=torch.int64).numpy(),
+                 "position_ids": torch.arange(t).expand(b, t).numpy()}
+        logits = self.session.run(["logits"], {k: v for k, v in feeds.items() if k in self.inputs})[0]
+        return argparse.Namespace(logits=torch.from_numpy(logits))
+
+
+def onnx_part(a: argparse.Namespace, log) -> dict:
+    """Each --onnx-columns copy exported by `normswap.export_onnx(..., quantize="int8")` (validated in fp32, then
+    onnxruntime's dynamic int8: weights per channel, activations per tensor) and scored in onnxruntime."""
+    import tempfile
+    t0 = time.time()
+    model, tok = load_smollm2(a.cache)
+    ids = austen_windows(tok, a.eval, a.windows, a.seq)
+    ref = reference(model, ids, a.batch)
+    res = {"windows": list(ids.shape), "eval": a.eval, "columns": {}, "cells": {"int8 (normswap export)": {}}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, cname in enumerate(a.onnx_columns):
+            t1 = time.time()
+            m = rotated(model, COLUMNS[cname], a.seed)
+            report = normswap.export_onnx(m, Path(tmp) / f"{i}.onnx", quantize="int8")
+            cell = score(OrtLM(Path(tmp) / f"{i}.onnx"), ids, ref, a.batch)
+            res["cells"]["int8 (normswap export)"][cname] = cell
+            res["columns"][cname] = {"build_s": time.time() - t1, "fp32_parity": report.parity,
+                                     "quantized": report.quantized}
+            log(f"[{cname}] int8 in onnxruntime: KL {cell['kl']:.4e}  ppl {cell['ppl']:.3f}  top-1 {cell['top1']:.2%}"
+                f"  ({time.time() - t1:.0f} s)")
+            del m
+    res["total_s"] = time.time() - t0
+    return res
+
+
 # ------------------------------------------------------------------------------------------------ the Amdahl bound
 
 def amdahl_bounds(cells: dict, column: str, base: str = "none") -> dict:
@@ -700,6 +746,12 @@ def markdown(res: dict) -> str:
                       f"{v['cut']:.2f}x | " + ", ".join(f"{x:.2f}" for x in v["additivity"].values()) + " |"
                       for q, v in bounds.items()]
         lines += [""]
+    o = res.get("onnx")
+    if o:
+        cols = list(o["columns"])
+        lines += [f"### `normswap export --quantize int8` in onnxruntime: SmolLM2-135M-Instruct, {o['windows'][0]} "
+                  f"windows x {o['windows'][1]} tokens of {o['eval']} ({o['total_s'] / 60:.0f} min)", ""]
+        lines += _table(o["cells"], cols, "quantizer") + [""] + _cuts(o["cells"], cols[1:], cols[0]) + [""]
     p = res.get("plain")
     if p:
         lines += ["### The rotated folder in plain transformers (R1 + R2, `normswap.rotate(folder, out, heads=True)`)",
@@ -759,6 +811,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "R1+R2+R4 had (online)")
     ap.add_argument("--amdahl-columns", default="none,R1+R2 had",
                     help="The amdahl part's columns (the first is the base the bounds divide).")
+    ap.add_argument("--onnx-columns", default="none,R1+R2 had,R1+R2+R4 had (online)",
+                    help="The onnx part's columns (the first is the base of the cuts).")
     ap.add_argument("--gpt2-windows", type=int, default=8)
     ap.add_argument("--gpt2-scale", type=float, default=100.0)
     ap.add_argument("--gpt2-quantizers", default="fp32,W8A8,W8A6")
@@ -778,7 +832,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         a.quantizers, a.columns = "fp32,W8A8,torchao W8A8", "none,R1+R2 had"
     a.quantizers = a.quantizers.split(",") + ([q.name for q in TORCHAO if q.name not in a.quantizers]
                                                if a.torchao else [])
-    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts", "amdahl_columns"):
+    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts", "amdahl_columns",
+              "onnx_columns"):
         setattr(a, k, getattr(a, k).split(","))
     a.stat_columns = [c for c in a.stat_columns if c in a.columns]
     return a
@@ -803,6 +858,8 @@ def main(argv: list[str] | None = None) -> None:
         res["gpt2"] = gpt2_part(a, log)
     if "plain" in a.parts:
         res["plain"] = plain_part(a, log)
+    if "onnx" in a.parts:
+        res["onnx"] = onnx_part(a, log)
     res["total_s"] = time.time() - t0
     Path(a.json or Path(a.markdown).with_suffix(".json")).write_text(json.dumps(res, indent=1))   # first: kept
     text = markdown(res)

@@ -203,3 +203,13 @@ def test_amdahl_bounds():
     assert list(b) == ["W8A8"]
     assert b["W8A8"]["cut_max"] == pytest.approx(4.0) and b["W8A8"]["cut"] == pytest.approx(2.0)
     assert b["W8A8"]["additivity"] == pytest.approx({"none": 41 / 40, "R": 0.9})
+
+
+def test_an_exported_file_scores_in_onnxruntime_as_its_model(llama, tmp_path):
+    pytest.importorskip("onnxruntime")
+    import normswap
+    model = rr.rotated(llama, rr.COLUMNS["R1+R2+R4 had (online)"], seed=0).float()
+    normswap.export_onnx(model, tmp_path / "m.onnx")
+    with torch.no_grad():
+        cell = rr.score(rr.OrtLM(tmp_path / "m.onnx"), IDS, rr.reference(model, IDS, 2), 2)
+    assert cell["rel"] < 1e-5 and cell["kl"] < 1e-9 and cell["top1"] == 1.0
