@@ -12,6 +12,7 @@ import normswap
 pytest.importorskip("onnxruntime")
 from helpers.exact_models import build  # noqa: E402
 from normswap.export.norm_nodes import norm_calls  # noqa: E402
+from normswap.export.quantize import online_factors  # noqa: E402
 
 
 def _rotated(name: str):
@@ -43,15 +44,18 @@ def test_a_rotated_parallel_block_model_exports_and_validates(tmp_path):
 def test_an_online_rotated_model_exports_its_fast_transform_and_validates(tmp_path):
     """`rotate(..., online=True)`: the transform is traced as reshapes, adds and subtractions (the butterflies) and
     one small matmul (the 12 x 12 factor of width 48 = 4 x 12), never a dense 48 x 48 matrix; onnxruntime gives the
-    model's logits."""
+    model's logits. Quantized to int8, the factor's matmul stays fp32 (part of the rotation), every layer's
+    MatMul is quantized."""
     onnx = pytest.importorskip("onnx")
     from surgery.test_rotate_rmsnorm import tiny
     model = tiny("llama")
     report = normswap.rotate(model, heads=True, online=True)
     assert len(report.online) == 2
-    exported = normswap.export_onnx(model, tmp_path / "m.onnx")
+    exported = normswap.export_onnx(model, tmp_path / "m.onnx", quantize="int8")
     assert exported.validated and all(r["max_abs"] <= exported.tolerance for r in exported.parity)
+    assert exported.quantized["ops"]["MatMulInteger"] == 2 * 7 + 1 and exported.quantized["top1"] > 0.9
     graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    assert len(online_factors(graph)) == 2
     shapes = {i.name: list(i.dims) for i in graph.initializer}
     assert sum(name.endswith("normswap_online_signs") and dims == [48] for name, dims in shapes.items()) == 2
     assert [12, 12] in shapes.values() and [48, 48] not in shapes.values()
