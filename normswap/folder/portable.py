@@ -31,6 +31,9 @@ from torch import nn
 # what older normswaps recorded in memory, before a save completed it: never a folder normswap wrote.
 FORMAT, FORMATS = 4, (2, 3, 4)
 MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")
+# an output fix's online rotation of its input (`add_online_rotation`): format 4's readers before it refuse the keys
+ONLINE_FORMAT, ONLINE_KEYS = 4, ("online", "online_factor")
+ONLINE = ("normswap_online_signs", "normswap_online_factor")   # its parameters on the module
 NORM_TYPES = ("rmsnorm", "prmsnorm")
 KINDS = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object", list: "a list"}
 
@@ -139,6 +142,14 @@ def _check_norm(where: str, name: str, spec) -> None:
             _fail(where, f"{ctx}.p = {p!r} must be in (0, 1]")
 
 
+def _check_online(where: str, spec: dict, ctx: str) -> None:
+    """An online rotation (`add_online_rotation`): its width n and factor side m, n = p·m with p a power of two."""
+    n, m = (_get(where, spec, k, int, ctx) for k in ONLINE_KEYS)
+    if m < 1 or n < m or n % m or (n // m) & (n // m - 1):
+        _fail(where, f"{ctx}: online rotation of width {n} with a {m} x {m} factor: the width must be the factor's "
+                     "side times a power of two")
+
+
 def validate(section, where: str, model: nn.Module | None = None) -> dict:
     """Check `section` (format, types, ranges; with `model`, that every module it names exists)."""
     if not isinstance(section, dict):
@@ -172,12 +183,15 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     for name, spec in fixes.items():
         ctx = f"output_fixes[{name!r}]"
         _get(where, spec, "centre", bool, ctx)   # first: spec is an object; then no key is ignored
-        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt >= MATRIX_FORMAT)]:
+        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt >= MATRIX_FORMAT)
+                       + ONLINE_KEYS * (fmt >= ONLINE_FORMAT)]:
             _fail(where, f"{ctx}.{unknown[0]} is not in format {fmt} (a newer normswap's?): the model would differ")
         if any(_get(where, spec, k, int, ctx) < 0 for k in ("bias", *MATRICES) if k in spec or k == "bias"):
             _fail(where, f"{ctx}: the bias and matrix widths must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
+        if "online" in spec or "online_factor" in spec:
+            _check_online(where, spec, ctx)
     kept = section.get("not_preserved", {})
     if not isinstance(kept, dict) or not all(isinstance(x, str) and x.isprintable() for x in [*kept, *kept.values()]):
         _fail(where, "not_preserved must map output names to reasons (printed on loads: plain text)")
@@ -285,11 +299,11 @@ def fixed_class(base: type, output: bool, input: bool) -> type:
 
 def fixed_call(module: nn.Module, inner, args: tuple, kwargs: dict):
     """inner(module, *args, **kwargs) (the module's own class's forward, or one export puts in its place) between
-    the module's fixes: its first input centred (`centre_input`) before, its output fixed (`fixed`, reading its
+    the module's fixes: its first input fixed (`fix_input`) before, its output fixed (`fixed`, reading its
     `normswap_*` attributes at each call) after."""
     output, input = module.normswap_fixes
     if input:
-        args, kwargs = centre_input(module, args, kwargs)
+        args, kwargs = fix_input(module, args, kwargs)
     out = inner(module, *args, **kwargs)
     return _fix_output(module, out) if output else out
 
@@ -355,6 +369,50 @@ def add_input_fix(module: nn.Module, side: int = 0) -> None:
     _add_fix(module, input=True)
 
 
+def online_rotated(x: torch.Tensor, signs: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """x·H over the last dim (width n), H = diag(signs)·(S ⊗ F)·c: S Sylvester's Hadamard matrix of order p = n / m,
+    applied as a fast Walsh-Hadamard transform (log2 p butterflies of adds), F the m x m `factor` (±1 entries: a
+    Hadamard matrix, stored exactly in any dtype; or an orthogonal one, p = 1), c = 1 / sqrt(p·|F's first row|²).
+    In fp32 (fp64 for fp64), returned in x's dtype. Folding W <- W·H runs this on W's rows, in fp64."""
+    m, n = factor.shape[0], x.shape[-1]
+    p = n // m
+    y = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    f = factor.to(y.dtype)
+    y = (y * signs.to(y.dtype)).reshape(-1, p, m)
+    h = 1
+    while h < p:   # butterflies: pairs of rows h apart -> (a + b, a - b)
+        y = y.reshape(-1, p // (2 * h), 2, h, m)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), 2)
+        h *= 2
+    y = (y.reshape(-1, p, m) @ f) * torch.rsqrt(f[0].pow(2).sum() * p)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def fix_input(module: nn.Module, args, kwargs):
+    """(args, kwargs) with the first tensor a module is called with (`first_input`) centred where it has an input fix
+    (`centre_input`), then rotated online where it has an online rotation (`online_rotated`: its weight holds W·H,
+    so it computes what it did); also a forward pre-hook (with kwargs)."""
+    if module.__dict__.get("normswap_centre_input", False):   # not getattr: an absent name raises per call
+        args, kwargs = centre_input(module, args, kwargs)
+    if ONLINE[0] not in (p := module._parameters):
+        return args, kwargs
+    key = first_input(module, args, kwargs)
+    x = online_rotated(args[0] if key == 0 else kwargs[key], p[ONLINE[0]], p[ONLINE[1]])
+    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
+
+
+def add_online_rotation(module: nn.Module, signs: torch.Tensor | None = None, factor: torch.Tensor | None = None,
+                        width: int = 0, side: int = 0) -> None:
+    """Rotate `module`'s input online by H in its own forward (`fix_input`), its `signs` and `factor` the parameters
+    `normswap_online_signs` and `normswap_online_factor` (None: zeros of `width` and `side` x `side`, for loading:
+    the weights fill them)."""
+    if any(name in module._parameters for name in ONLINE):
+        raise ValueError("module already has an online rotation")
+    _own(module, ONLINE[0], torch.zeros(width) if signs is None else signs)
+    _own(module, ONLINE[1], torch.zeros(side, side) if factor is None else factor)
+    _add_fix(module, input=True)
+
+
 def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
     """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
     if getattr(layer, "bias", None) is not None:
@@ -380,6 +438,8 @@ def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> No
             add_input_fix(model.get_submodule(name), spec.get("input_matrix", 0))
         if spec["centre"] or spec["bias"] or spec.get("matrix"):
             add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"], side=spec.get("matrix", 0))
+        if spec.get("online"):
+            add_online_rotation(model.get_submodule(name), width=spec["online"], side=spec["online_factor"])
 
 
 def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: bool = False) -> None:

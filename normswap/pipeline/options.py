@@ -79,6 +79,10 @@ class RotateOptions:
         flag="--heads", is_flag=True,
         help="Also rotate each attention head's values and the output projection reading them (QuaRot's R2, "
              "folded into their weights)."))
+    online: bool = field(default=False, metadata=dict(   # QuaRot's R4 (`surgery.online`)
+        flag="--online", is_flag=True,
+        help="Also rotate the input of each layer writing the stream from an activation (an MLP's down projection) "
+             "at run time by a fast Hadamard transform (QuaRot's R4; saved with the shipped modeling file)."))
     load: LoadOptions = LoadOptions()
     device: str = field(default="auto", metadata=DEVICE)   # where the model is rotated and verified
     example_inputs: object = field(default=None, metadata=dict(

@@ -13,8 +13,8 @@ import contextlib
 
 from torch import nn
 
-from normswap.folder.portable import Fixed, add_input_fix, add_output_fix, centre_input, fixed, fixed_class, \
-    unfixed_class
+from normswap.folder.portable import ONLINE, Fixed, add_input_fix, add_output_fix, centre_input, fix_input, fixed, \
+    fixed_class, unfixed_class
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed", "input_fixes_first"]
 
@@ -25,6 +25,8 @@ def describe_fix(module: nn.Module) -> dict:
     bias, matrix = getattr(module, "normswap_bias", None), getattr(module, "normswap_matrix", None)
     spec = {"centre": getattr(module, "normswap_centre", False), "bias": 0 if bias is None else int(bias.numel())}
     spec.update({"matrix": int(matrix.shape[0])} if matrix is not None else {})   # a rotation's (format 3)
+    signs, factor = (module._parameters.get(k) for k in ONLINE)
+    spec.update({"online": int(signs.numel()), "online_factor": int(factor.shape[0])} if signs is not None else {})
     if not getattr(module, "normswap_centre_input", False):
         return spec
     m = getattr(module, "normswap_input_matrix", None)
@@ -33,7 +35,7 @@ def describe_fix(module: nn.Module) -> dict:
 
 @contextlib.contextmanager
 def input_fixes_first(model: nn.Module):
-    """Within the block, each input fix runs as a forward pre-hook registered now (`centre_input`), ahead of the
+    """Within the block, each input fix runs as a forward pre-hook registered now (`fix_input`), ahead of the
     pre-hooks registered after it, instead of inside its module's forward: a trace's pre-hook on that block then
     reads the stream entering it as the block receives it, centred (an "entry"), as it did before any edit."""
     moved = [m for m in model.modules() if isinstance(m, Fixed) and m.normswap_fixes[1]]
@@ -41,7 +43,7 @@ def input_fixes_first(model: nn.Module):
     try:
         for m in moved:
             m.__class__ = fixed_class(unfixed_class(m), m.normswap_fixes[0], False)
-            handles.append(m.register_forward_pre_hook(centre_input, with_kwargs=True))
+            handles.append(m.register_forward_pre_hook(fix_input, with_kwargs=True))
         yield
     finally:
         for h in handles:

@@ -77,6 +77,26 @@ def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
         portable.validate({**matrix, "format": 5}, "m")
 
 
+def test_an_online_rotation_needs_format_4_and_a_width_of_its_factor_times_a_power_of_two(tmp_path):
+    """Format 3's readers refuse the keys (as format 4's before online rotations do: unknown keys); a width that is
+    not the factor's side times a power of two would not rebuild the transform."""
+    normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+
+    def online(n, m, fmt=4):
+        return {**section, "format": fmt, "output_fixes": {"transformer.h.0.mlp.c_proj": {
+            "centre": False, "bias": 0, "online": n, "online_factor": m}}}
+    for n, m in ((128, 128), (128, 1), (48, 12), (96, 12)):
+        portable.validate(online(n, m), "m")
+    with pytest.raises(portable.InvalidConversion, match=r"\.online is not in format 3"):
+        portable.validate(online(48, 12, 3), "m")
+    for n, m in ((36, 12), (48, 10), (8, 12), (48, 0)):
+        with pytest.raises(portable.InvalidConversion, match=f"online rotation of width {n} with a {m} x {m} factor"):
+            portable.validate(online(n, m), "m")
+    with pytest.raises(portable.InvalidConversion, match=r"online_factor = True is not an integer"):
+        portable.validate(online(48, True), "m")
+
+
 def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
     """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
     layer = torch.nn.Linear(4, 4)
