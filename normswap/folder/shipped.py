@@ -83,10 +83,15 @@ def register_base_mapping(class_name: str, section: dict) -> None:
     except ImportError:
         return
     base = section["base"]
-    mapping = get_checkpoint_conversion_mapping(base["architecture"]) or \
-        get_checkpoint_conversion_mapping(base["model_type"])
-    if mapping:
-        register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+    by_class = get_checkpoint_conversion_mapping(base["architecture"])
+    mapping = by_class or get_checkpoint_conversion_mapping(base["model_type"])
+    # A model_type's mapping goes under model_types (the original's, which a converted model's config keeps in
+    # memory, and the folder's, PREFIX + it): registered by class name, it would claim the root by class, and a
+    # sub-model of the original's model_type would get the same mapping again (a second renaming: harmless where
+    # renaming is idempotent, not where a name's target contains its source, as HY-V4's `hc_` names do).
+    for key in [class_name] if by_class else [base["model_type"], PREFIX + base["model_type"]]:
+        if mapping:
+            register_checkpoint_conversion_mapping(key, mapping, overwrite=True)
 
 
 def peft_defaults(model_type: str, base: str) -> None:
