@@ -21,7 +21,9 @@ cannot be built tiny here.
 `--rotate` adds a rotation row per type (`rotation`: one entry per ARMS): after an exact (or exact+kept)
 conversion, or on the built model where it has no LayerNorm (its RMSNorms, perturbed off 1, found by what they
 compute), `normswap.rotate` three ways, each on its own model (the first on the one converted above, the others
-rebuilt from the same seed), compared with the original's outputs on both input sets in memory and after
+rebuilt from the same seed; where R1 is refused, the others are by the same checks, which run before
+their own, and take its refusal, marked `"as": "R1"`), compared with the original's outputs on both input
+sets in memory and after
 `normswap.save` / `normswap.load`, the outputs the rotation report declares not preserved left out. Outcomes:
 rotated (<= TOL everywhere), refused (NotRotatable / NormswapError: its one-line reason), WRONG (rotated, an
 output differs), error (an exception escaped normswap).
@@ -33,6 +35,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -267,6 +270,9 @@ def rotation_arms(model_type: str, model, refs: list, skip: dict, converting: bo
 
     out = {}
     for i, arm in enumerate(ARMS):
+        if i and out["R1"]["outcome"] == "refused":   # R1's refusals come before any check of R2's or R4's own
+            out[arm] = {**out["R1"], "as": "R1"}
+            continue
         out[arm] = rotated((lambda: model) if i == 0 else rebuilt, arm, refs, skip)
         print(f"# {model_type} {arm}: {out[arm]['outcome']}", file=sys.stderr, flush=True)
     return out
@@ -415,8 +421,9 @@ def report(path: Path) -> None:
 
 
 def reason(why: str) -> str:
-    """A refusal's reason with the part it names left out (the text before its first colon), to group by."""
-    return why.split(":")[0].split(" (")[0].strip()
+    """A refusal's reason with the parts and sizes it names left out, to group by."""
+    why = re.sub(r"\b\w+(\.\w+)+\b", "<name>", why)   # dotted module names
+    return re.sub(r"'[^']*'", "'…'", re.sub(r"\d+", "N", why))[:200]
 
 
 def rotation_report(rows: list[dict]) -> None:
