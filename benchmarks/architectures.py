@@ -423,7 +423,7 @@ def report(path: Path) -> None:
 def reason(why: str) -> str:
     """A refusal's reason with the parts and sizes it names left out, to group by."""
     why = re.sub(r"\b\w+(\.\w+)+\b", "<name>", why)   # dotted module names
-    return re.sub(r"'[^']*'", "'…'", re.sub(r"\d+", "N", why))[:200]
+    return re.sub(r"(?<=\s)'[^']*'", "'…'", re.sub(r"\d+", "N", why))[:200]   # quoted operations
 
 
 def rotation_report(rows: list[dict]) -> None:
