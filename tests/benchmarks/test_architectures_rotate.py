@@ -92,3 +92,12 @@ def test_the_sweep_rotates_an_rmsnorm_family_and_a_converted_layernorm_one_every
     for arm, got in row["rotation"].items():
         assert got["outcome"] == "rotated", (arm, got)
         assert set(got["errors"]) == {"memory", "reload"} and max(got["errors"].values()) <= arch.TOL
+
+
+@pytest.mark.slow
+def test_the_sweep_records_a_sandwich_norm_familys_refusal_by_name_for_every_arm():
+    row = arch.one("gemma2", rotate=True)   # a norm after each block's output: it writes the stream
+    r1 = row["rotation"]["R1"]
+    assert r1["outcome"] == "refused" and r1["kind"] == "NotRotatable"
+    assert r1["why"].startswith("model.layers.0.post_attention_layernorm writes the stream")
+    assert [row["rotation"][a].get("as") for a in arch.ARMS] == [None, "R1", "R1"]
