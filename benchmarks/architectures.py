@@ -422,7 +422,8 @@ def report(path: Path) -> None:
 
 def reason(why: str) -> str:
     """A refusal's reason with the parts and sizes it names left out, to group by."""
-    why = re.sub(r"\b\w+(\.\w+)+\b", "<name>", why)   # dotted module names
+    why = re.sub(r"\b\w+(\.\w+)*(?='s\b)|\b\w+(\.\w+)+\b", "<name>", why)   # module names
+    why = re.sub(r"\((\w+)\)", "(<class>)", why)
     return re.sub(r"(?<=\s)'[^']*'", "'…'", re.sub(r"\d+", "N", why))[:200]   # quoted operations
 
 

@@ -80,7 +80,9 @@ def test_refusals_keep_their_one_line_reason_and_other_exceptions_are_errors(lla
     got = arch.rotated(lambda: model, "R1", refs, {})
     assert got["outcome"] == outcome
     assert got["why"] == ("x.y is odd: because" if outcome == "refused" else "RuntimeError: a bug")
-    assert arch.reason("a.b.c's output is read by 'mm': 32 x 32") == "<name>'s output is read by '…': N x N"
+    assert arch.reason("a.b.c's output is read by 'mm' in b (Linear): 32 x 32") == \
+        "<name>'s output is read by '…' in b (<class>): N x N"
+    assert arch.reason("norm's output") == arch.reason("a.b_2's output") == "<name>'s output"
 
 
 @pytest.mark.slow
