@@ -432,10 +432,12 @@ def rotation_report(rows: list[dict]) -> None:
     tried = [r for r in rows if "rotation" in r]
     print(f"\nrotation: {len(tried)} types tried (exactly converted, or without a LayerNorm)")
     outcomes = ("rotated", "refused", "WRONG", "error")
-    print(f"  {'arm':<10} " + " ".join(f"{o:>8}" for o in outcomes))
+    print(f"  {'arm':<10} {'model':<24} " + " ".join(f"{o:>8}" for o in outcomes))
     for arm in ARMS:
-        counts = collections.Counter(r["rotation"][arm]["outcome"] for r in tried if arm in r["rotation"])
-        print(f"  {arm:<10} " + " ".join(f"{counts.get(o, 0):>8}" for o in outcomes))
+        for source, rs in (("as built (no LayerNorm)", [r for r in tried if r["outcome"] == "no-layernorm"]),
+                           ("converted exactly", [r for r in tried if r["outcome"] != "no-layernorm"])):
+            counts = collections.Counter(r["rotation"][arm]["outcome"] for r in rs)
+            print(f"  {arm:<10} {source:<24} " + " ".join(f"{counts.get(o, 0):>8}" for o in outcomes))
     for arm in ARMS:
         groups = collections.defaultdict(list)
         for r in tried:
