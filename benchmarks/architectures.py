@@ -214,11 +214,34 @@ def perturb_gains(model, seed: int = 2) -> None:
                     p.add_(0.5 * torch.randn(p.shape, generator=g))
 
 
+def judged(models: dict, refs: list, skip: dict, errors: dict, row: dict) -> str | None:
+    """Each of `models` (where -> load) compared with `refs` but the outputs `skip` names: its worst relative error,
+    or its exception, into `errors` (and `row`'s errors, worst, why); "WRONG" where an output differs, "error" where
+    one failed, None where all are within TOL."""
+    from normswap.parity import compare_to
+    for where, load in models.items():
+        try:
+            m = load().eval()
+            worst = max((compare_to(r, m, skip=skip) for r in refs), key=lambda p: p.max_rel)
+            errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
+            if not worst.max_rel <= TOL:
+                row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
+        except Exception as e:
+            errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
+    row["errors"] = errors
+    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
+    if any(isinstance(errors.get(k), float) for k in bad):
+        return "WRONG"
+    if bad:
+        row["why"] = "; ".join(f"{k}: {errors[k]}" for k in bad)
+        return "error"
+    return None
+
+
 def rotated(fresh, arm: str, refs: list, skip: dict) -> dict:
     """One rotation arm (ARMS) on the model `fresh()` returns: its outcome, reason or errors (module docstring)."""
     import normswap
     from normswap.errors import NormswapError
-    from normswap.parity import compare_to
 
     try:
         model = fresh()
@@ -237,21 +260,8 @@ def rotated(fresh, arm: str, refs: list, skip: dict) -> dict:
         except Exception as e:
             errors["save"] = f"{type(e).__name__}: {str(e)[:200]}"
             del models["reload"]
-        for where, load in models.items():
-            try:
-                worst = max((compare_to(r, load().eval(), skip=skip) for r in refs), key=lambda p: p.max_rel)
-                errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
-                if not worst.max_rel <= TOL:
-                    row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
-            except Exception as e:
-                errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
-    row["errors"] = errors
-    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
-    if any(isinstance(errors.get(k), float) for k in bad):
-        return {**row, "outcome": "WRONG"}
-    if bad:
-        return {**row, "outcome": "error", "why": "; ".join(f"{k}: {errors[k]}" for k in bad)}
-    return {**row, "outcome": "rotated"}
+        row["outcome"] = judged(models, refs, skip, errors, row) or "rotated"
+    return row
 
 
 def rotation_arms(model_type: str, model, refs: list, skip: dict, converting: bool) -> dict:
@@ -286,7 +296,7 @@ def one(model_type: str, rotate: bool = False) -> dict:
     import normswap
     from normswap.errors import NormswapError
     from normswap.models.inputs import sample_inputs
-    from normswap.parity import compare_to, reference_outputs
+    from normswap.parity import reference_outputs
     from normswap.surgery.walk import Skip
     sys.path.insert(0, str(HERE.parent / "tests"))
     from helpers.exact_models import perturb
@@ -341,23 +351,7 @@ def one(model_type: str, rotate: bool = False) -> dict:
                 models["transformers reload"] = lambda: getattr(tf, head).from_pretrained(tmp, trust_remote_code=True)
         except Exception as e:
             errors["save"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for where, load in models.items():
-            try:
-                m = load().eval()
-                worst = max((compare_to(r, m, skip=report.unverified) for r in refs), key=lambda p: p.max_rel)
-                errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
-                if worst.max_rel > TOL or worst.max_rel != worst.max_rel:
-                    row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
-            except Exception as e:
-                errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
-    row["errors"] = errors
-    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
-    if any(isinstance(errors.get(k), float) for k in bad):
-        row["outcome"] = "WRONG"
-    elif bad:
-        row["outcome"], row["why"] = "error", "; ".join(f"{k}: {errors[k]}" for k in bad)
-    else:
-        row["outcome"] = "exact+kept" if kept else "exact"
+        row["outcome"] = judged(models, refs, report.unverified, errors, row) or ("exact+kept" if kept else "exact")
     if rotate and row["outcome"] in ("exact", "exact+kept"):
         row["rotation"] = rotation_arms(model_type, model, refs, dict(report.unverified), converting=True)
     return row
