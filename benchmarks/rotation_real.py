@@ -9,7 +9,7 @@ matrix), "had" = method hadamard (a randomised Hadamard: 576 = Sylvester 8 (x) P
 "rand" = method random (random orthogonal). The library verifies each rotated copy against the original before it
 returns it. R4, an online rotation of down_proj's input, comes two ways: the library's (`normswap.rotate(...,
 online=True)`, columns "+ online": the layers found by behaviour, a fast Walsh-Hadamard transform in a forward
-pre-hook, `normswap.folder.portable.online_rotated`), and the REFERENCE code here (columns "+ R4 ... (reference)"):
+pre-hook, `normswap.folder.fixes.online_rotated`), and the REFERENCE code here (columns "+ R4 ... (reference)"):
 - R4 (`rotate_r4`): an online rotation of down_proj's input: W_down <- W_down H (the (d, intermediate) weight's
   input side) and, at run time, x <- x H before down_proj quantizes x. H is applied in Kronecker form
   diag(s) (A (x) B) (x reshaped (a, b): A^T X B after the signs s), so a Hadamard costs O(n (a + b)) per token.
@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rotation import linearised  # noqa: E402  (GPT-2's Conv1D as nn.Linear)
 
 import normswap  # noqa: E402
-from normswap.folder.portable import ONLINE, add_online_rotation  # noqa: E402  (the library's R4, kept when quantized)
+from normswap.folder.portable import ONLINE, add_online_rotation  # noqa: E402  the library's R4, kept when quantized
 from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402  (R4's reference matrices)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "austen"

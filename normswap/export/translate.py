@@ -13,7 +13,7 @@ import onnx.defs
 import torch
 from torch import nn
 
-from normswap.folder.portable import Fixed, fixed_call
+from normswap.folder.fixes import Fixed, fixed_call
 from normswap.norms import PartialRMSNorm, RMSNorm
 from normswap.ops.reference import rms_norm_reference
 

@@ -3,7 +3,7 @@
 file defines). normswap rebuilds its folders with `portable` alone, but a converted model in memory is an instance
 of a `NormswapMixin` class too (`models.adopt`), so that transformers' own save path writes a complete folder.
 
-- `NormswapMixin`: first in the bases of the generated classes. Built, it applies the section (`portable.rebuild`);
+- `NormswapMixin`: first in the bases of the generated classes. Built, it applies the section (`fixes.rebuild`);
   `from_pretrained` reads the "normswap" weights variant, checks the weights' checksum and the fingerprint;
   `save_pretrained` writes that variant, then `finish_folder`: the fingerprint of the model as it is now, the
   checksum, config.json's model_type / architectures / auto_map naming the generated classes, and this file.
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from normswap.folder.checksum import VARIANT, checksum, verify_checksum
 from normswap.folder.fingerprint import record, verify
-from normswap.folder.portable import FORMAT, InvalidConversion, rebuild
+from normswap.folder.portable import FORMAT, InvalidConversion
+from normswap.folder.fixes import rebuild
 
 # ---- shipped from here: the transformers side -----------------------------------------------------------------
 import importlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)

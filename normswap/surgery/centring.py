@@ -3,7 +3,7 @@ a bias after it (input fixes: centre the first input of a block instead).
 
 The exact conversion needs these where no weight edit can do the job (a tied embedding, BLOOM's
 embedding norm, a headless model's final norm, Whisper's encoder stream; see `exact`). They are part of the
-module's own forward (its class swapped for `portable.fixed_class`, no hook), defined in `folder.portable`, the
+module's own forward (its class swapped for `fixes.fixed_class`, no hook), defined in `folder.portable`, the
 module every converted folder ships, so that what the conversion installs and what loading re-applies (in
 normswap and in plain transformers) is one piece of code.
 """
@@ -13,8 +13,9 @@ import contextlib
 
 from torch import nn
 
-from normswap.folder.portable import ONLINE, Fixed, add_input_fix, add_output_fix, centre_input, fix_input, fixed, \
-    fixed_class, unfixed_class
+from normswap.folder.portable import ONLINE
+from normswap.folder.fixes import Fixed, add_input_fix, add_output_fix, centre_input, fix_input, fixed, fixed_class, \
+    unfixed_class
 
 __all__ = ["add_input_fix", "add_output_fix", "centre_input", "describe_fix", "fixed", "input_fixes_first"]
 

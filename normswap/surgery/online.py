@@ -1,5 +1,5 @@
 """Online rotations (QuaRot's R4): a linear layer writing the stream whose input x no folded rotation reaches gets
-W <- W·H (in float64, stored in the model's dtype) and x -> x·H at run time before it (`portable.online_rotated`,
+W <- W·H (in float64, stored in the model's dtype) and x -> x·H at run time before it (`fixes.online_rotated`,
 the one transform: a randomised fast Walsh-Hadamard transform times a small dense factor, or a dense random
 orthogonal matrix), so that its input, which a quantizer reads, loses its outliers; its outputs are unchanged.
 
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from normswap.folder.portable import ONLINE, add_online_rotation, online_rotated
+from normswap.folder.portable import ONLINE
+from normswap.folder.fixes import add_online_rotation, online_rotated
 from normswap.models.introspect import in_width, is_linear
 from normswap.models.modes import eval_mode
 from normswap.surgery.algebra import output_dim

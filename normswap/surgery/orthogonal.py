@@ -6,7 +6,7 @@
 - `random_orthogonal(n, g)`: Q of the QR of a Gaussian matrix, signs fixed so that it is Haar-distributed.
 - `rotation(n, method, seed)`: "hadamard" (a randomised Hadamard D·H, D a random ±1 diagonal; a random
   orthogonal matrix where no Hadamard of that order is known) or "random".
-- `online_factors(n, method, g)`: the same, as the factors an online rotation applies (`portable.online_rotated`).
+- `online_factors(n, method, g)`: the same, as the factors an online rotation applies (`fixes.online_rotated`).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def times(t: torch.Tensor, dim: int, q: torch.Tensor) -> torch.Tensor:
 
 
 def online_factors(n: int, method: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(signs, F, what it is) of an online rotation of width n (`portable.online_rotated`: H = diag(signs)·(S ⊗ F)
+    """(signs, F, what it is) of an online rotation of width n (`fixes.online_rotated`: H = diag(signs)·(S ⊗ F)
     scaled), drawn from `g`: "hadamard", a randomised Hadamard matrix (random signs, F its ±1 non-power-of-two
     factor: a fast transform); "random", or a width with no known Hadamard matrix, a random orthogonal F (n x n,
     signs ones: a dense matmul)."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from normswap.folder.portable import first_input
+from normswap.folder.fixes import first_input
 from normswap.models.introspect import floating_buffers, in_width, is_scale, norm_kind
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules

@@ -8,7 +8,7 @@ import textwrap
 
 from torch import nn
 
-from normswap.folder.portable import unfixed_class
+from normswap.folder.fixes import unfixed_class
 
 
 def own_classes(module: nn.Module) -> list[type]:

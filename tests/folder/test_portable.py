@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import normswap
-from normswap.folder import portable, schema
+from normswap.folder import portable, schema, fixes
 
 from helpers.export_models import converted as naive_conversion
 
@@ -101,17 +101,17 @@ def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
     """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
     layer = torch.nn.Linear(4, 4)
     m, b = torch.randn(4, 4), torch.randn(4)
-    portable.add_output_fix(layer, True, b, matrix=m)
+    fixes.add_output_fix(layer, True, b, matrix=m)
     x = torch.randn(3, 4)
     y = layer.weight @ x.T
     want = (y.T + layer.bias - (y.T + layer.bias).mean(-1, keepdim=True)) @ m + b
     torch.testing.assert_close(layer(x), want)
-    assert portable.fixed(x, False, None, m).equal(x @ m)
+    assert fixes.fixed(x, False, None, m).equal(x @ m)
     fresh = torch.nn.Linear(4, 4)   # as loading builds it: zeros the weights fill
-    portable.add_output_fix(fresh, False, width=4, side=4)
+    fixes.add_output_fix(fresh, False, width=4, side=4)
     assert fresh.normswap_matrix.shape == (4, 4) and not fresh.normswap_matrix.any()
     block = torch.nn.Identity()   # an input fix: centred, then times its matrix (a rotated entry)
-    portable.add_input_fix(block, side=4)
+    fixes.add_input_fix(block, side=4)
     block.normswap_input_matrix.data.copy_(m)
     torch.testing.assert_close(block(x), (x - x.mean(-1, keepdim=True)) @ m)
 
@@ -123,7 +123,7 @@ def test_centring_mean_is_exact_to_its_dtype(dtype):
     x = (torch.randn(5, 4096, dtype=torch.float64) * 3 + 7) * (60000 / 16 if dtype == torch.float16 else 1)
     x = x.clamp(-65000, 65000).to(dtype)
     want = x.double() - x.double().mean(-1, keepdim=True)
-    got = portable.centred(x)
+    got = fixes.centred(x)
     assert got.dtype == dtype
     err = ((got.double() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
     # fp64: the old fp32 mean left ~1e-8 of each row's mean behind; in fp64 it is ~1e-16
@@ -133,7 +133,7 @@ def test_centring_mean_is_exact_to_its_dtype(dtype):
 def test_an_output_fix_without_bias_or_matrix_only_centres():
     """A centring-only fix (a tied embedding's) has no normswap_bias / normswap_matrix and returns centre(out)."""
     emb = torch.nn.Embedding(10, 8)
-    portable.add_output_fix(emb, True)
+    fixes.add_output_fix(emb, True)
     assert "normswap_bias" not in dict(emb.named_parameters()) and "normswap_matrix" not in dict(emb.named_parameters())
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(emb(ids), emb.weight[ids] - emb.weight[ids].mean(-1, keepdim=True))
@@ -159,9 +159,9 @@ def fixed_tied() -> tuple[Tied, torch.Tensor]:
     """`Tied` with every kind of fix: its embedding centred, its head's input centred and a bias added after it;
     and what it returns for ids [[1, 2, 3]] (the expected values)."""
     model, ids = Tied(), torch.tensor([[1, 2, 3]])
-    portable.add_output_fix(model.emb, True)
-    portable.add_input_fix(model.head)
-    portable.add_output_fix(model.head, False, torch.randn(10))
+    fixes.add_output_fix(model.emb, True)
+    fixes.add_input_fix(model.head)
+    fixes.add_output_fix(model.head, False, torch.randn(10))
     w = model.emb.weight.detach()
     e = w[ids] - w[ids].mean(-1, keepdim=True)
     return model, (e - e.mean(-1, keepdim=True)) @ w.T + model.head.normswap_bias.detach()
@@ -176,7 +176,7 @@ def test_fixes_are_the_modules_own_forward_not_hooks():
     keys, ids = list(Tied().state_dict()), torch.tensor([[1, 2, 3]])
     model, want = fixed_tied()
     assert isinstance(model.emb, torch.nn.Embedding) and type(model.emb).__name__ == "Embedding"
-    assert type(model.head) is portable.fixed_class(torch.nn.Linear, True, True) and _no_hooks(model)
+    assert type(model.head) is fixes.fixed_class(torch.nn.Linear, True, True) and _no_hooks(model)
     assert model.head.weight is model.emb.weight and list(model.state_dict()) == [*keys, "head.normswap_bias"]
     with torch.no_grad():
         torch.testing.assert_close(model(ids), want)
@@ -201,6 +201,6 @@ def test_an_input_fix_centres_a_keyword_argument_by_the_original_signature():
             return hidden if mask is None else hidden * mask
 
     block = Block()
-    portable.add_input_fix(block)
+    fixes.add_input_fix(block)
     x, mask = torch.randn(2, 4), torch.rand(2, 4)
     torch.testing.assert_close(block(mask=mask, hidden=x), (x - x.mean(-1, keepdim=True)) * mask)

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 import normswap
-from normswap.folder import checksum, fingerprint, modeling, portable, shipped
+from normswap.folder import checksum, fingerprint, modeling, portable, shipped, fixes
 
 from helpers.exact_models import FAMILIES, build, perturb
 from helpers.plain import OTHER_VERSION, check_loads, convert_all, plain_transformers
@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
 
 def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     root, cases = converted
-    first, *rest = [Path(m.__file__).read_text() for m in (portable, checksum, fingerprint, shipped)]
+    first, *rest = [Path(m.__file__).read_text() for m in (portable, fixes, checksum, fingerprint, shipped)]
     expected = "\n\n".join([first] + [text[text.index(modeling.SHIPPED_FROM):] for text in rest]) + modeling.GENERATED
     for folder, *_ in cases.values():
         for saved in (folder, Path(f"{folder}-own")):
@@ -58,7 +58,7 @@ def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     # And normswap rebuilds folders with it: the fixes the conversion installs are its functions.
     from normswap.surgery import centring
-    assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix
+    assert centring.add_input_fix is fixes.add_input_fix and centring.add_output_fix is fixes.add_output_fix
 
 
 def test_every_exact_family_loads_in_plain_transformers_as_the_original(converted, monkeypatch):

@@ -11,7 +11,7 @@ from torch import nn
 
 import normswap
 from normswap.errors import NormswapError
-from normswap.folder.portable import online_rotated
+from normswap.folder.fixes import online_rotated
 from normswap.parity import compare
 from normswap.surgery.orthogonal import _sylvester, online_factors
 from normswap.surgery.rotate import NotRotatable, rotate

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import normswap
-from normswap.folder.portable import Fixed
+from normswap.folder.fixes import Fixed
 from normswap.surgery.labels import Cause, NotExact
 from helpers.exact_models import perturb
 

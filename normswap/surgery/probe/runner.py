@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from normswap.folder.portable import unfixed_class
+from normswap.folder.fixes import unfixed_class
 
 NONFINITE = "returns non-finite values on ordinary inputs"   # a broken module (e.g. eps < 0), not a non-norm
 
@@ -22,7 +22,7 @@ class Broken(NotLayerNorm):
 
 def copies(module: nn.Module):
     """Copies of module to probe (never the module: its state and hooks stay untouched), float64 first, without
-    the conversion's fixes (`portable.fixed_class`: a norm's output centred after it is still a norm's)."""
+    the conversion's fixes (`fixes.fixed_class`: a norm's output centred after it is still a norm's)."""
     ref = next(module.parameters(), None)
     own = ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
     for dtype in dict.fromkeys((torch.float64, own)):
