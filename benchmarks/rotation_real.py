@@ -71,7 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rotation import linearised  # noqa: E402  (GPT-2's Conv1D as nn.Linear)
 
 import normswap  # noqa: E402
-from normswap.folder.portable import ONLINE, add_online_rotation  # noqa: E402  the library's R4, kept when quantized
+from normswap.folder.fixes import add_online_rotation  # noqa: E402  (the library's R4, kept when quantized)
+from normswap.folder.portable import ONLINE  # noqa: E402
 from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402  (R4's reference matrices)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "austen"

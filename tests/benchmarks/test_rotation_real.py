@@ -18,7 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import rotation_real as rr  # noqa: E402
-from normswap.folder.portable import online_rotated  # noqa: E402
+from normswap.folder.fixes import online_rotated  # noqa: E402
 
 
 @pytest.fixture(scope="module")
