@@ -17,6 +17,16 @@ is the exact plan's refusal), no-inputs (normswap cannot build sample inputs, an
 (the tiny model fails on the inputs normswap built: its inputs, or this script's shrinking of the config, are
 wrong), error (an exception escaped normswap), and, outside the counts, the types that have no LayerNorm or
 cannot be built tiny here.
+
+`--rotate` adds a rotation row per type (`rotation`: one entry per ARMS): after an exact (or exact+kept)
+conversion, or on the built model where it has no LayerNorm (its RMSNorms, perturbed off 1, found by what they
+compute), `normswap.rotate` three ways, each on its own model (the first on the one converted above, the others
+rebuilt from the same seed; where R1 is refused, the others are by the same checks, which run before
+their own, and take its refusal, marked `"as": "R1"`), compared with the original's outputs on both input
+sets in memory and after
+`normswap.save` / `normswap.load`, the outputs the rotation report declares not preserved left out. Outcomes:
+rotated (<= TOL everywhere), refused (NotRotatable / NormswapError: its one-line reason), WRONG (rotated, an
+output differs), error (an exception escaped normswap).
 """
 from __future__ import annotations
 
@@ -25,6 +35,7 @@ import collections
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +44,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TOL = 1e-4
+ARMS = {"R1": {}, "R1+R2": {"heads": True}, "R1+R2+R4": {"heads": True, "online": True}}   # rotate's keywords
 SIZES = {   # attribute -> tiny value, set where the config has it (an int there)
     32: ("hidden_size", "d_model", "n_embd", "embed_dim", "word_embed_proj_dim", "projection_dim",
          "cross_attention_hidden_size", "d_embed", "image_size", "out_hidden_size",
@@ -190,15 +202,101 @@ def build(model_type: str):
     raise LookupError("no model class")
 
 
-def one(model_type: str) -> dict:
-    """Everything measured for one model type (see the module docstring)."""
+def perturb_gains(model, seed: int = 2) -> None:
+    """Move every parameter-only leaf module's 1-D parameters (norm gains: Gemma's 1+w and T5's alike) off init."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            params = list(m.parameters(recurse=False))
+            if params and not list(m.children()) and all(p.dim() == 1 for p in params):
+                for p in params:
+                    p.add_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def judged(models: dict, refs: list, skip: dict, errors: dict, row: dict) -> str | None:
+    """Each of `models` (where -> load) compared with `refs` but the outputs `skip` names: its worst relative error,
+    or its exception, into `errors` (and `row`'s errors, worst, why); "WRONG" where an output differs, "error" where
+    one failed, None where all are within TOL."""
+    from normswap.parity import compare_to
+    for where, load in models.items():
+        try:
+            m = load().eval()
+            worst = max((compare_to(r, m, skip=skip) for r in refs), key=lambda p: p.max_rel)
+            errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
+            if not worst.max_rel <= TOL:
+                row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
+        except Exception as e:
+            errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
+    row["errors"] = errors
+    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
+    if any(isinstance(errors.get(k), float) for k in bad):
+        return "WRONG"
+    if bad:
+        row["why"] = "; ".join(f"{k}: {errors[k]}" for k in bad)
+        return "error"
+    return None
+
+
+def rotated(fresh, arm: str, refs: list, skip: dict) -> dict:
+    """One rotation arm (ARMS) on the model `fresh()` returns: its outcome, reason or errors (module docstring)."""
+    import normswap
+    from normswap.errors import NormswapError
+
+    try:
+        model = fresh()
+        report = normswap.rotate(model, **ARMS[arm])
+    except NormswapError as e:   # NotRotatable is one
+        return {"outcome": "refused", "kind": type(e).__name__, "why": str(e).splitlines()[0]}
+    except Exception as e:
+        return {"outcome": "error", "why": f"{type(e).__name__}: {str(e)[:300]}"}
+    skip = {**skip, **report.not_preserved}
+    errors, row = {}, {"not_preserved": sorted(report.not_preserved), "streams": len(report.streams)}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = str(Path(tmp) / "out")
+        models = {"memory": lambda: model, "reload": lambda: normswap.load(tmp)[0]}
+        try:
+            normswap.save(model, tmp)
+        except Exception as e:
+            errors["save"] = f"{type(e).__name__}: {str(e)[:200]}"
+            del models["reload"]
+        row["outcome"] = judged(models, refs, skip, errors, row) or "rotated"
+    return row
+
+
+def rotation_arms(model_type: str, model, refs: list, skip: dict, converting: bool) -> dict:
+    """Every arm of ARMS: the first on `model`, the others on the model rebuilt (and converted) from the same seed."""
+    import normswap
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from helpers.exact_models import perturb
+
+    def rebuilt():
+        m = perturb(build(model_type)[0])
+        if converting:
+            normswap.convert(m, method="auto")
+        else:
+            perturb_gains(m)
+        return m
+
+    out = {}
+    for i, arm in enumerate(ARMS):
+        if i and out["R1"]["outcome"] == "refused":   # R1's refusals come before any check of R2's or R4's own
+            out[arm] = {**out["R1"], "as": "R1"}
+            continue
+        out[arm] = rotated((lambda: model) if i == 0 else rebuilt, arm, refs, skip)
+        print(f"# {model_type} {arm}: {out[arm]['outcome']}", file=sys.stderr, flush=True)
+    return out
+
+
+def one(model_type: str, rotate: bool = False) -> dict:
+    """Everything measured for one model type (see the module docstring); `rotate`: the rotation arms too."""
     import transformers as tf
     from torch import nn
 
     import normswap
     from normswap.errors import NormswapError
     from normswap.models.inputs import sample_inputs
-    from normswap.parity import compare_to, reference_outputs
+    from normswap.parity import reference_outputs
     from normswap.surgery.walk import Skip
     sys.path.insert(0, str(HERE.parent / "tests"))
     from helpers.exact_models import perturb
@@ -211,9 +309,13 @@ def one(model_type: str) -> dict:
     row["renamed"] = renamed_by(model)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
     row["layernorms"] = len(norms)
-    if not norms or sum(p.numel() for p in model.parameters()) > 30e6:
-        return {**row, "outcome": "no-layernorm" if not norms else "unbuilt", "why": "" if not norms else "big"}
+    if sum(p.numel() for p in model.parameters()) > 30e6:
+        return {**row, "outcome": "unbuilt", "why": "big"}
+    if not norms and not rotate:
+        return {**row, "outcome": "no-layernorm", "why": ""}
     perturb(model)
+    if not norms:
+        perturb_gains(model)   # the RMSNorms' gains, which `perturb` leaves at init
     try:
         refs = [reference_outputs(model, sample_inputs(model)),
                 reference_outputs(model, sample_inputs(model, batch=3, seq=11, seed=1))]
@@ -222,6 +324,9 @@ def one(model_type: str) -> dict:
                 "why": str(e)}
     except Exception as e:
         return {**row, "outcome": "model-failed", "why": f"{type(e).__name__}: {str(e)[:200]}"}
+    if not norms:   # rotated as built: its RMSNorms (if any) are found by what they compute
+        return {**row, "outcome": "no-layernorm", "why": "",
+                "rotation": rotation_arms(model_type, model, refs, {}, converting=False)}
     try:
         report = normswap.convert(model, method="auto")
     except NormswapError as e:
@@ -246,23 +351,9 @@ def one(model_type: str) -> dict:
                 models["transformers reload"] = lambda: getattr(tf, head).from_pretrained(tmp, trust_remote_code=True)
         except Exception as e:
             errors["save"] = f"{type(e).__name__}: {str(e)[:200]}"
-        for where, load in models.items():
-            try:
-                m = load().eval()
-                worst = max((compare_to(r, m, skip=report.unverified) for r in refs), key=lambda p: p.max_rel)
-                errors[where] = worst.max_rel if worst.max_rel == worst.max_rel else float("inf")
-                if worst.max_rel > TOL or worst.max_rel != worst.max_rel:
-                    row.setdefault("worst", f"{where}: {worst.worst} rel {worst.max_rel:.2e}")
-            except Exception as e:
-                errors[where] = f"{type(e).__name__}: {str(e)[:200]}"
-    row["errors"] = errors
-    bad = [k for k, v in errors.items() if not isinstance(v, float) or not v <= TOL]
-    if any(isinstance(errors.get(k), float) for k in bad):
-        row["outcome"] = "WRONG"
-    elif bad:
-        row["outcome"], row["why"] = "error", "; ".join(f"{k}: {errors[k]}" for k in bad)
-    else:
-        row["outcome"] = "exact+kept" if kept else "exact"
+        row["outcome"] = judged(models, refs, report.unverified, errors, row) or ("exact+kept" if kept else "exact")
+    if rotate and row["outcome"] in ("exact", "exact+kept"):
+        row["rotation"] = rotation_arms(model_type, model, refs, dict(report.unverified), converting=True)
     return row
 
 
@@ -271,13 +362,13 @@ def model_types() -> list[str]:
     return sorted(MODEL_MAPPING_NAMES)
 
 
-def isolated(script: str | Path, types: list[str], jobs: int, timeout: int):
-    """Each type's row, in order: `script --one TYPE` run in its own process (`jobs` at a time, one thread
+def isolated(script: str | Path, types: list[str], jobs: int, timeout: int, extra: tuple[str, ...] = ()):
+    """Each type's row, in order: `script --one TYPE *extra` run in its own process (`jobs` at a time, one thread
     each), the last JSON line it prints; a timeout or a crash is a row of its own."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
     def child(t: str) -> dict:
-        cmd = [sys.executable, str(script), "--one", t]
+        cmd = [sys.executable, str(script), "--one", t, *extra]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
@@ -292,12 +383,13 @@ def isolated(script: str | Path, types: list[str], jobs: int, timeout: int):
         yield from pool.map(child, types)
 
 
-def run_all(types: list[str], out: Path, jobs: int, timeout: int) -> None:
+def run_all(types: list[str], out: Path, jobs: int, timeout: int, rotate: bool = False) -> None:
     with out.open("w") as f:
-        for row in isolated(__file__, types, jobs, timeout):
+        for row in isolated(__file__, types, jobs, timeout, ("--rotate",) if rotate else ()):
             f.write(json.dumps(row) + "\n")
             f.flush()
-            print(f"{row['type']:<32} {row['outcome']:<11} {row.get('why', row.get('worst', ''))[:150]}",
+            arms = " ".join(f"{a}:{r['outcome']}" for a, r in row.get("rotation", {}).items())
+            print(f"{row['type']:<32} {row['outcome']:<11} {arms} {row.get('why', row.get('worst', ''))[:150]}",
                   flush=True)
 
 
@@ -318,6 +410,41 @@ def report(path: Path) -> None:
         if r["outcome"] in ("WRONG", "naive", "refused", "no-inputs", "model-failed", "error", "crash", "timeout") \
                 and "post-LN" not in r.get("why", ""):
             print(f"  {r['outcome']:<9} {r['type']:<28} {(r.get('why') or r.get('worst', ''))[:160]}")
+    if any("rotation" in r for r in rows):
+        rotation_report(rows)
+
+
+def reason(why: str) -> str:
+    """A refusal's reason with the parts and sizes it names left out, to group by."""
+    why = re.sub(r"\b\w+(\.\w+)*(?='s\b)|\b\w+(\.\w+)+\b", "<name>", why)   # module names
+    why = re.sub(r"\((\w+)\)", "(<class>)", why)
+    return re.sub(r"(?<=\s)'[^']*'", "'…'", re.sub(r"\d+", "N", why))[:200]   # quoted operations
+
+
+def rotation_report(rows: list[dict]) -> None:
+    """Counts per rotation arm; every refusal's reason grouped; every WRONG and error in full."""
+    tried = [r for r in rows if "rotation" in r]
+    print(f"\nrotation: {len(tried)} types tried (exactly converted, or without a LayerNorm)")
+    outcomes = ("rotated", "refused", "WRONG", "error")
+    print(f"  {'arm':<10} {'model':<24} " + " ".join(f"{o:>8}" for o in outcomes))
+    for arm in ARMS:
+        for source, rs in (("as built (no LayerNorm)", [r for r in tried if r["outcome"] == "no-layernorm"]),
+                           ("converted exactly", [r for r in tried if r["outcome"] != "no-layernorm"])):
+            counts = collections.Counter(r["rotation"][arm]["outcome"] for r in rs)
+            print(f"  {arm:<10} {source:<24} " + " ".join(f"{counts.get(o, 0):>8}" for o in outcomes))
+    for arm in ARMS:
+        groups = collections.defaultdict(list)
+        for r in tried:
+            got = r["rotation"].get(arm, {})
+            if got.get("outcome") == "refused":
+                groups[reason(got["why"])].append(r["type"])
+        print(f"\n{arm} refusals, by reason:")
+        for why, types in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            print(f"  {len(types):>4}  {why}: {', '.join(types)}")
+    for r in tried:
+        for arm, got in r["rotation"].items():
+            if got["outcome"] in ("WRONG", "error"):
+                print(f"\n{got['outcome']} {r['type']} {arm}: {json.dumps(got)}")
 
 
 def main() -> None:
@@ -328,18 +455,19 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=180)
     ap.add_argument("--report", type=Path, help="summarise an earlier run's JSONL")
+    ap.add_argument("--rotate", action="store_true", help="the rotation arms too (see the docstring)")
     a = ap.parse_args()
     if a.one:
         import warnings
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        print(json.dumps(one(a.one), default=str))
+        print(json.dumps(one(a.one, a.rotate), default=str))
         return
     if a.report:
         report(a.report)
         return
     start = time.time()
-    run_all(a.types.split(",") if a.types else model_types(), a.out, a.jobs, a.timeout)
+    run_all(a.types.split(",") if a.types else model_types(), a.out, a.jobs, a.timeout, a.rotate)
     print(f"{time.time() - start:.0f} s")
     report(a.out)
 

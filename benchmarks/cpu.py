@@ -391,8 +391,8 @@ def bench_models(args, reps: int) -> None:
 
 
 class PartTimer:
-    """Thread CPU time spent inside the named modules of `model` (forward, hooks included: a conversion's
-    output and input fixes run inside the interval)."""
+    """Thread CPU time spent inside the named modules of `model` (their forward, where a conversion's output and
+    input fixes run: the interval holds them)."""
 
     def __init__(self, model: nn.Module, names: list[str]):
         self.total, self.start, self.handles = 0.0, 0.0, []
@@ -412,20 +412,23 @@ class PartTimer:
 
 
 def differing(orig: nn.Module, conv: nn.Module) -> dict[str, list[str]]:
-    """The modules where an exact conversion differs from its original, in two groups: "norms" (the norms
-    alone) and "fixed" (the modules that carry an output or input fix, such as a tied embedding centred at
-    lookup or a norm with its bias kept after it, and layers given a bias). Everything else computes the
-    same ops on the same shapes, so the two models' difference in time is these modules'."""
+    """The modules where an exact conversion differs from its original, in three groups: "norms" (the norms
+    alone), "fixed" (the modules that carry an output or input fix, such as a tied embedding centred at lookup
+    or a norm with its bias kept after it) and "biased" (layers given a bias: an LM head given the final norm's,
+    whose matmul takes it in, so its own time is mostly the same matmul's, in two copies of the weight).
+    Everything else computes the same ops on the same shapes, so the two models' difference in time is these
+    modules'."""
     from normswap import RMSNorm
 
     def added_bias(name, m):
         return getattr(m, "bias", None) is not None and getattr(orig.get_submodule(name), "bias", None) is None
 
-    def fixed(name, m):
-        return hasattr(m, "normswap_centre") or getattr(m, "normswap_centre_input", False) or added_bias(name, m)
+    def fixed(m):
+        return hasattr(m, "normswap_centre") or getattr(m, "normswap_centre_input", False)
     mods = dict(conv.named_modules())
-    return {"norms": [n for n, m in mods.items() if isinstance(m, RMSNorm) and not fixed(n, m)],
-            "fixed": [n for n, m in mods.items() if fixed(n, m)]}
+    return {"norms": [n for n, m in mods.items() if isinstance(m, RMSNorm) and not fixed(m)],
+            "fixed": [n for n, m in mods.items() if fixed(m)],
+            "biased": [n for n, m in mods.items() if not fixed(m) and added_bias(n, m)]}
 
 
 def norm_share(models, new_tokens: int, reps: int) -> None:
@@ -458,23 +461,24 @@ def norm_share(models, new_tokens: int, reps: int) -> None:
                 whole = repeats({k: timed(k) for k in pair}, reps, budget=0.0)
             med = {key: statistics.median(v[-reps:]) for key, v in inside.items()}
             o_whole = statistics.median(whole["original"])
-            o, c = (sum(med[k, g] for g in groups) for k in pair)
+            o, c = (sum(med[k, g] for g in ("norms", "fixed")) for k in pair)
             ms = lambda t: f"{t * 1e3:+.2f}"  # noqa: E731
+            diff = {g: med["converted", g] - med["original", g] for g in groups}
             rows.append([name, run, f"{len(groups['norms'])} + {len(groups['fixed'])}", f"{o * 1e3:.2f}",
-                         f"{c * 1e3:.2f}", f"{c / o:.2f}",
-                         ms(med["converted", "norms"] - med["original", "norms"]),
-                         ms(med["converted", "fixed"] - med["original", "fixed"]),
-                         f"{o_whole * 1e3:.1f}", f"{100 * o / o_whole:.2f}%", f"**{1 + (c - o) / o_whole:.4f}**"])
+                         f"{c * 1e3:.2f}", f"{c / o:.2f}", ms(diff["norms"]), ms(diff["fixed"]),
+                         f"{o_whole * 1e3:.1f}", f"{100 * o / o_whole:.2f}%", f"**{1 + (c - o) / o_whole:.4f}**",
+                         f"{len(groups['biased'])}: {ms(diff['biased'])}" if groups["biased"] else "-"])
             print("  ", " | ".join(rows[-1]), flush=True)
         for timer in timers.values():
             timer.remove()
     table(f"Where the model-level difference is made (eager, 1 thread, thread CPU time, median of {reps} "
           "interleaved repeats): time inside the modules that differ (norms; modules carrying the conversion's "
           "fixes), what each group adds (converted - original), and the converted / original ratio they imply "
-          "(the rest is the same computation)",
+          "(the rest is the same computation); layers given a bias apart (`differing`: their time is their matmul's, "
+          "which two copies of a weight take at different speeds)",
           ["model", "run", "norms + fixed modules", "orig parts ms", "conv parts ms", "parts: conv / orig",
            "norms: conv - orig ms", "fixed modules: conv - orig ms", "orig whole ms", "parts' share of orig",
-           "implied conv / orig"], rows)
+           "implied conv / orig", "layers given a bias: conv - orig ms"], rows)
 
 
 NORM_KERNEL_MARKS = ("native_layer_norm", "rsqrt")   # in Inductor's kernel names: LayerNorm's op; our decomposition's

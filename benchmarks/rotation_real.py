@@ -7,7 +7,9 @@ residual stream, the RMSNorms' gains folded into their readers and set to 1, the
 each attention head's values rotated in v_proj's rows and undone in o_proj's columns, grouped-query heads sharing the
 matrix), "had" = method hadamard (a randomised Hadamard: 576 = Sylvester 8 (x) Paley 72, head_dim 64 Sylvester),
 "rand" = method random (random orthogonal). The library verifies each rotated copy against the original before it
-returns it. R4 is REFERENCE code here only (the library has no online rotation yet: issue 49's `--online`):
+returns it. R4, an online rotation of down_proj's input, comes two ways: the library's (`normswap.rotate(...,
+online=True)`, columns "+ online": the layers found by behaviour, a fast Walsh-Hadamard transform in a forward
+pre-hook, `normswap.folder.fixes.online_rotated`), and the REFERENCE code here (columns "+ R4 ... (reference)"):
 - R4 (`rotate_r4`): an online rotation of down_proj's input: W_down <- W_down H (the (d, intermediate) weight's
   input side) and, at run time, x <- x H before down_proj quantizes x. H is applied in Kronecker form
   diag(s) (A (x) B) (x reshaped (a, b): A^T X B after the signs s), so a Hadamard costs O(n (a + b)) per token.
@@ -16,7 +18,8 @@ returns it. R4 is REFERENCE code here only (the library has no online rotation y
 Every rotated model's fp32 logits are checked against the original's (rel <= 1e-4) on the text before it is quantized.
 
 Quantizers (fake-quant, applied to every Linear of the decoder layers, not the LM head, which QuaRot keeps in high
-precision; R4's online rotation runs before the quantizer): the reference ones here are symmetric round-to-nearest
+precision; R4's online rotation runs before the quantizer: the reference wraps the Linear, the library's is kept on
+the quantized layer, `quantized`): the reference ones here are symmetric round-to-nearest
 with an absmax scale (amax / (2^(b-1) - 1)): weights per output channel or per group of 64 along the input (group
 128 does not divide SmolLM2's width 576), activations per token, dynamic. torchao 0.18's CPU paths where they run
 (`--torchao`): Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, IntxWeightOnlyConfig(int4, per axis /
@@ -36,6 +39,9 @@ with the original's argmax.
 each also split into activations quantized only at down_proj's input (weights fp32) and everything but that input,
 on --amdahl-columns (none, R1+R2 had); the bound is KL_all(none) / KL_down_only(R1+R2), since R1 and R2 leave that
 input as it is (measured: each column's down_proj input against the unrotated model's).
+
+--parts onnx: `normswap.export_onnx(copy, quantize="int8")` of --onnx-columns (none, R1+R2 had, + the library's R4),
+scored in onnxruntime on the same windows.
 
 --parts plain: the rotated SmolLM2 folder (normswap.rotate on the --cache folder, heads=True) loaded by plain
 transformers with its own class (this interpreter's, and --plain-python's: transformers 4.57), against the original.
@@ -65,6 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rotation import linearised  # noqa: E402  (GPT-2's Conv1D as nn.Linear)
 
 import normswap  # noqa: E402
+from normswap.folder.fixes import add_online_rotation  # noqa: E402  (the library's R4, kept when quantized)
+from normswap.folder.portable import ONLINE  # noqa: E402
 from normswap.surgery.orthogonal import hadamard, random_orthogonal  # noqa: E402  (R4's reference matrices)
 
 AUSTEN = Path(__file__).resolve().parents[2] / "shared" / "corpora" / "austen"
@@ -174,12 +182,13 @@ def online(n: int, kind: str, g: torch.Generator) -> KronRotation:
 
 @dataclass(frozen=True)
 class Column:
-    """A rotated variant: the library's R1 (and R2: `heads`) of one method, and the reference online R4 (had, rand,
-    hadblock) on top."""
+    """A rotated variant: the library's R1 (and R2: `heads`; R4: `online`) of one method, or the reference online R4
+    (had, rand, hadblock) on top."""
     name: str
     method: str | None = None   # normswap.rotate's: hadamard, random
     heads: bool = False
     r4: str | None = None
+    online: bool = False
 
 
 COLUMNS = {c.name: c for c in (
@@ -189,16 +198,18 @@ COLUMNS = {c.name: c for c in (
     Column("R1+R2 had + R4 had (reference)", "hadamard", True, "had"),
     Column("R1+R2 had + R4 hadblock (reference)", "hadamard", True, "hadblock"),
     Column("R1+R2 rand + R4 rand (reference)", "random", True, "rand"),
+    Column("R1+R2+R4 had (online)", "hadamard", True, online=True),
+    Column("R1+R2+R4 rand (online)", "random", True, online=True),
 )}
 
 
 def rotated(model: nn.Module, col: Column, seed: int = 0) -> nn.Module:
-    """A rotated copy of `model` (or `model` itself for no rotation): normswap.rotate's R1 (+ R2), then the reference
-    R4 (Llama-class module names) drawn from its own generator."""
+    """A rotated copy of `model` (or `model` itself for no rotation): normswap.rotate's R1 (+ R2, + its R4), then the
+    reference R4 (Llama-class module names) drawn from its own generator."""
     if col.method is None:
         return model
     out = copy.deepcopy(model)
-    normswap.rotate(out, method=col.method, seed=seed, heads=col.heads)
+    normswap.rotate(out, method=col.method, seed=seed, heads=col.heads, online=col.online)
     if col.r4:
         g = torch.Generator().manual_seed(seed + 2)
         cfg = model.config
@@ -287,7 +298,9 @@ def _quantized_linears(model: nn.Module) -> list[str]:
 
 
 def quantized(model: nn.Module, q: Quantizer) -> nn.Module:
-    """A copy of `model` with every Linear but the LM head quantized by `q` (fp32: the model itself)."""
+    """A copy of `model` with every Linear but the LM head quantized by `q` (fp32: the model itself); a Linear with
+    the library's online rotation keeps it (a pre-hook: its input is rotated, then quantized). torchao's configs
+    edit the Linears' weights in place: their hooks stay."""
     if q.name == "fp32":
         return model
     out = copy.deepcopy(model)
@@ -300,8 +313,11 @@ def quantized(model: nn.Module, q: Quantizer) -> nn.Module:
         return out
     for name in _quantized_linears(out):
         parent, _, child = name.rpartition(".")
-        setattr(out.get_submodule(parent), child,
-                FakeQuantLinear(out.get_submodule(name), q.wbits, q.group, input_bits(name, q)))
+        old = out.get_submodule(name)
+        new = FakeQuantLinear(old, q.wbits, q.group, input_bits(name, q))
+        if ONLINE[0] in old._parameters:
+            add_online_rotation(new, *(old._parameters[k].detach() for k in ONLINE))
+        setattr(out.get_submodule(parent), child, new)
     return out
 
 
@@ -396,7 +412,8 @@ def llama_outliers(model: nn.Module, ids: torch.Tensor, batch: int) -> dict[str,
 
 @contextlib.contextmanager
 def down_inputs(model: nn.Module):
-    """Collects, in layer order, each down_proj's input (before R4's online rotation, if any) while inside."""
+    """Collects, in layer order, each down_proj's input while inside: before the reference R4's online rotation,
+    after the library's (its pre-hook runs first)."""
     xs: list[torch.Tensor] = []
     hooks = [layer.mlp.down_proj.register_forward_pre_hook(lambda m, a: xs.append(a[0].detach().clone()))
              for layer in model.model.layers]
@@ -463,6 +480,57 @@ def smollm2_part(a: argparse.Namespace, log) -> dict:
             log(f"  {qname:<40} KL {cell['kl']:.4e}  ppl {cell['ppl']:.3f}  top-1 {cell['top1']:.2%}  "
                 f"({cell['s']:.0f} s)")
         del m
+    res["total_s"] = time.time() - t0
+    return res
+
+
+# ------------------------------------------------------------------------------------ normswap export --quantize int8
+
+class OrtLM:
+    """An ONNX file `normswap.export_onnx` wrote, run in onnxruntime's CPU provider as `score` runs a model."""
+
+    def __init__(self, path: Path):
+        import onnxruntime as ort
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+    def __call__(self, input_ids: torch.Tensor):
+        b, t = input_ids.shape
+        feeds = {"input_ids": input_ids.numpy(), "attention_mask": torch.ones(b, t, dtype=torch.int64).numpy(),
+                 "position_ids": torch.arange(t).expand(b, t).numpy()}
+        logits = self.session.run(["logits"], {k: v for k, v in feeds.items() if k in self.inputs})[0]
+        return argparse.Namespace(logits=torch.from_numpy(logits))
+
+
+def onnx_part(a: argparse.Namespace, log) -> dict:
+    """Each --onnx-columns copy exported by `normswap.export_onnx(..., quantize="int8")` (validated in fp32, then
+    onnxruntime's dynamic int8: weights per channel, activations per tensor) and scored in onnxruntime. The fp32
+    graph's validation bound is --onnx-tol (normswap's: 1e-4 absolute on the logits)."""
+    import tempfile
+
+    import normswap.export.onnx as exporter
+    import normswap.export.quantize as int8
+    exporter.FP32_TOL = a.onnx_tol
+    int8.MIN_TOP1 = 0.0   # measured here, not refused (the unrotated int8 graph is, by normswap export: top-1 32%)
+    t0 = time.time()
+    model, tok = load_smollm2(a.cache)
+    ids = austen_windows(tok, a.eval, a.windows, a.seq)
+    ref = reference(model, ids, a.batch)
+    res = {"windows": list(ids.shape), "eval": a.eval, "columns": {}, "cells": {"int8 (normswap export)": {}},
+           "tol": a.onnx_tol}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, cname in enumerate(a.onnx_columns):
+            t1 = time.time()
+            m = rotated(model, COLUMNS[cname], a.seed)
+            report = normswap.export_onnx(m, Path(tmp) / f"{i}.onnx", quantize="int8")
+            cell = score(OrtLM(Path(tmp) / f"{i}.onnx"), ids, ref, a.batch)
+            res["cells"]["int8 (normswap export)"][cname] = cell
+            res["columns"][cname] = {"build_s": time.time() - t1, "fp32_parity": report.parity,
+                                     "fp32_max_abs": max(r["max_abs"] for r in report.parity),
+                                     "quantized": {k: v for k, v in report.quantized.items() if k != "rows"}}
+            log(f"[{cname}] int8 in onnxruntime: KL {cell['kl']:.4e}  ppl {cell['ppl']:.3f}  top-1 {cell['top1']:.2%}"
+                f"  ({time.time() - t1:.0f} s)")
+            del m
     res["total_s"] = time.time() - t0
     return res
 
@@ -687,6 +755,14 @@ def markdown(res: dict) -> str:
                       f"{v['cut']:.2f}x | " + ", ".join(f"{x:.2f}" for x in v["additivity"].values()) + " |"
                       for q, v in bounds.items()]
         lines += [""]
+    o = res.get("onnx")
+    if o:
+        cols = list(o["columns"])
+        lines += [f"### `normswap export --quantize int8` in onnxruntime: SmolLM2-135M-Instruct, {o['windows'][0]} "
+                  f"windows x {o['windows'][1]} tokens of {o['eval']} ({o['total_s'] / 60:.0f} min)", ""]
+        lines += _table(o["cells"], cols, "quantizer") + [""] + _cuts(o["cells"], cols[1:], cols[0]) + [""]
+        lines += ["fp32 graph against PyTorch (validation inputs, max |Δlogits|): " + ", ".join(
+            f"{c} {v['fp32_max_abs']:.2e}" for c, v in o["columns"].items()) + f" (bound {o['tol']:g})", ""]
     p = res.get("plain")
     if p:
         lines += ["### The rotated folder in plain transformers (R1 + R2, `normswap.rotate(folder, out, heads=True)`)",
@@ -740,10 +816,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "int4 weight-only group 64,W8A6,W4A8", help="Comma-separated names (see QUANTIZERS).")
     ap.add_argument("--torchao", action="store_true", help="Add all of torchao's rows (on --torchao-columns only).")
     ap.add_argument("--torchao-columns", default=",".join(COLUMNS))
-    ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference)")
-    ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference)")
+    ap.add_argument("--columns", default="none,R1 had,R1 rand,R1+R2 had,R1+R2 rand,R1+R2 had + R4 had (reference),"
+                    "R1+R2+R4 had (online),R1+R2+R4 rand (online)")
+    ap.add_argument("--stat-columns", default="none,R1 had,R1+R2 had,R1+R2 had + R4 had (reference),"
+                    "R1+R2+R4 had (online)")
     ap.add_argument("--amdahl-columns", default="none,R1+R2 had",
                     help="The amdahl part's columns (the first is the base the bounds divide).")
+    ap.add_argument("--onnx-columns", default="none,R1+R2 had,R1+R2+R4 had (online)",
+                    help="The onnx part's columns (the first is the base of the cuts).")
+    ap.add_argument("--onnx-tol", type=float, default=1e-4,
+                    help="The fp32 graph's bound on max |Δlogits| against PyTorch (normswap's own: 1e-4).")
     ap.add_argument("--gpt2-windows", type=int, default=8)
     ap.add_argument("--gpt2-scale", type=float, default=100.0)
     ap.add_argument("--gpt2-quantizers", default="fp32,W8A8,W8A6")
@@ -757,13 +839,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if "--quantizers" not in (argv or sys.argv):
             a.quantizers = "fp32,W8A8,W8A6"
         if "--columns" not in (argv or sys.argv):
-            a.columns = "none,R1+R2 had,R1+R2 had + R4 had (reference)"
+            a.columns = "none,R1+R2 had,R1+R2+R4 had (online)"
     if a.smoke:   # seconds of scoring (the load and one library rotation remain): the test's
         a.windows, a.seq, a.stat_windows, a.batch, a.parts = 1, 16, 1, 1, "smollm2"
         a.quantizers, a.columns = "fp32,W8A8,torchao W8A8", "none,R1+R2 had"
     a.quantizers = a.quantizers.split(",") + ([q.name for q in TORCHAO if q.name not in a.quantizers]
                                                if a.torchao else [])
-    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts", "amdahl_columns"):
+    for k in ("columns", "torchao_columns", "stat_columns", "gpt2_quantizers", "parts", "amdahl_columns",
+              "onnx_columns"):
         setattr(a, k, getattr(a, k).split(","))
     a.stat_columns = [c for c in a.stat_columns if c in a.columns]
     return a
@@ -788,6 +871,8 @@ def main(argv: list[str] | None = None) -> None:
         res["gpt2"] = gpt2_part(a, log)
     if "plain" in a.parts:
         res["plain"] = plain_part(a, log)
+    if "onnx" in a.parts:
+        res["onnx"] = onnx_part(a, log)
     res["total_s"] = time.time() - t0
     Path(a.json or Path(a.markdown).with_suffix(".json")).write_text(json.dumps(res, indent=1))   # first: kept
     text = markdown(res)

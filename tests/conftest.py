@@ -1,6 +1,9 @@
 """Fixtures shared by the whole suite; the models and helpers they use live in `helpers/`."""
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from helpers.tiny import FAMILIES, tiny_model
@@ -17,3 +20,16 @@ def gpt2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("src") / "gpt2"
     tiny_model("gpt2").save_pretrained(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _sigint_as_it_was(request):
+    """Each test starts with the SIGINT handler the session started with: one that changes it and does not put it
+    back (the tests of Ctrl-C handling need Python's own) is named in $NORMSWAP_SIGINT_LOG, and the handler restored."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not before:
+        if os.environ.get("NORMSWAP_SIGINT_LOG"):
+            with open(os.environ["NORMSWAP_SIGINT_LOG"], "a") as f:
+                f.write(f"{request.node.nodeid}: {signal.getsignal(signal.SIGINT)!r}\n")
+        signal.signal(signal.SIGINT, before)

@@ -4,8 +4,10 @@ onnxruntime's `quantize_dynamic` on MatMul and Gemm only: weights int8 per outpu
 (reduce_range: ORT's advice for per-channel weights on CPUs without VNNI, where the u8 x s8 kernels saturate;
 measured: full-range per-channel int8 gave 5-15x the logit error of 7-bit on an AVX2 EPYC), activations uint8
 per tensor, quantized at run time (DynamicQuantizeLinear + MatMulInteger, what ORT's CPU provider runs fast).
-Norms, embeddings (Gather) and the attention's activation-by-activation MatMuls stay fp32; the fused norm nodes
-must be all there after quantization, in the file and in ORT's optimised graph, or it is refused.
+Norms, embeddings (Gather) and the attention's activation-by-activation MatMuls stay fp32, and so does an online
+rotation's MatMul by its small factor (`rotate --online`: part of the rotation that makes the next input
+quantizable, which a rounding of its own would undo in part); the fused norm nodes must be all there after
+quantization, in the file and in ORT's optimised graph, or it is refused.
 
 An int8 model is not exact, so its error is measured, not bounded: on the validation inputs (`validate.SIZES`,
 or the example batches of a module) against PyTorch in fp32, the max relative error of the main output (max |Δ|
@@ -28,6 +30,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.export import fuse, validate
+from normswap.folder.portable import ONLINE
 
 OPS = ("MatMul", "Gemm")   # what is quantized
 MIN_TOP1 = 0.5   # logits: refused below this top-1 agreement with PyTorch fp32 (a working int8 LM is > 0.9)
@@ -51,12 +54,20 @@ def _files(path: Path) -> list[Path]:
     return [p for p in (path, path.with_name(path.name + ".data")) if p.exists()]
 
 
+def online_factors(graph: onnx.GraphProto) -> list[str]:
+    """The MatMul nodes multiplying by an online rotation's factor (a `portable.ONLINE` parameter), by node name."""
+    factors = {i.name for i in graph.initializer if i.name.endswith(ONLINE[1])}
+    return [n.name for n in graph.node if n.op_type in OPS and factors & set(n.input)]
+
+
 def _quantize_file(src: Path, dst: Path, external_data: bool) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
+    kept = online_factors(onnx.load(str(src), load_external_data=False).graph)
     try:
         with _quiet():
             quantize_dynamic(src, dst, op_types_to_quantize=list(OPS), per_channel=True, reduce_range=True,
-                             weight_type=QuantType.QInt8, use_external_data_format=external_data)
+                             weight_type=QuantType.QInt8, use_external_data_format=external_data,
+                             nodes_to_exclude=kept)
     except Exception as e:
         raise NormswapError(f"onnxruntime's quantize_dynamic failed: {first_line(e)[:300]}") from None
 

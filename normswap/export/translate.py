@@ -13,6 +13,7 @@ import onnx.defs
 import torch
 from torch import nn
 
+from normswap.folder.fixes import Fixed, fixed_call
 from normswap.norms import PartialRMSNorm, RMSNorm
 from normswap.ops.reference import rms_norm_reference
 
@@ -83,12 +84,19 @@ def _forward(self, x, residual=None):
     return torch.ops.normswap.rms_norm(x, weight, float(eps))
 
 
+def _lowered(m: nn.Module):
+    """`_forward` as the norm's forward, between its fixes where it has any (an output centred, a bias after it)."""
+    if not isinstance(m, Fixed):
+        return _forward.__get__(m)
+    return lambda *args, **kwargs: fixed_call(m, _forward, args, kwargs)
+
+
 @contextlib.contextmanager
 def lowered_norms(model: nn.Module):
     """Within the block, fusable norms call `normswap::rms_norm`; their own forward is restored after."""
     patched = [(m, m.__dict__.get("forward")) for m in model.modules() if fusable(m)]
     for m, _ in patched:
-        m.forward = _forward.__get__(m)
+        m.forward = _lowered(m)
     try:
         yield len(patched)
     finally:

@@ -8,19 +8,17 @@ normswap; a test fails if the shipped copy differs from this file.
 
 - `validate`: config.json's `normswap` section (format, types, ranges, named modules); `checksum.py` hashes it
   and the weights files' headers, `fingerprint.py` checks the loaded model's behaviour.
-- `rebuild`: on a freshly built original architecture, the norms (made by a factory: the pure-PyTorch `build_norm`
-  below by default; normswap passes `normswap.norms.build_norm`, whose modules use its fast kernels for the same
-  arithmetic, held equal by a test), the added biases, output fixes (centre, matrix, bias) and input fixes.
-- `checksum.py`, `fingerprint.py` and `shipped.py` follow this file in modeling_normswap.py (from their lines
-  "# ---- shipped from here"), the last the transformers side (`NormswapMixin`).
+- the norms (`build_norm`: pure PyTorch; normswap passes `normswap.norms.build_norm`, whose modules use its fast
+  kernels for the same arithmetic, held equal by a test) and `ensure_bias`.
+- `fixes.py`, `checksum.py`, `fingerprint.py` and `shipped.py` follow this file in modeling_normswap.py (from their
+  lines "# ---- shipped from here"): `fixes.rebuild` applies a section (the norms, added biases, output and input
+  fixes in the modules' own forward, online rotations), the last is the transformers side (`NormswapMixin`).
 """
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -30,6 +28,9 @@ from torch import nn
 # what older normswaps recorded in memory, before a save completed it: never a folder normswap wrote.
 FORMAT, FORMATS = 4, (2, 3, 4)
 MATRIX_FORMAT, MATRICES = 3, ("matrix", "input_matrix")
+# an output fix's online rotation of its input (`add_online_rotation`): format 4's readers before it refuse the keys
+ONLINE_FORMAT, ONLINE_KEYS = 4, ("online", "online_factor")
+ONLINE = ("normswap_online_signs", "normswap_online_factor")   # its parameters on the module
 NORM_TYPES = ("rmsnorm", "prmsnorm")
 KINDS = {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "an object", list: "a list"}
 
@@ -138,6 +139,14 @@ def _check_norm(where: str, name: str, spec) -> None:
             _fail(where, f"{ctx}.p = {p!r} must be in (0, 1]")
 
 
+def _check_online(where: str, spec: dict, ctx: str) -> None:
+    """An online rotation (`add_online_rotation`): its width n and factor side m, n = p·m with p a power of two."""
+    n, m = (_get(where, spec, k, int, ctx) for k in ONLINE_KEYS)
+    if m < 1 or n < m or n % m or (n // m) & (n // m - 1):
+        _fail(where, f"{ctx}: online rotation of width {n} with a {m} x {m} factor: the width must be the factor's "
+                     "side times a power of two")
+
+
 def validate(section, where: str, model: nn.Module | None = None) -> dict:
     """Check `section` (format, types, ranges; with `model`, that every module it names exists)."""
     if not isinstance(section, dict):
@@ -171,12 +180,15 @@ def validate(section, where: str, model: nn.Module | None = None) -> dict:
     for name, spec in fixes.items():
         ctx = f"output_fixes[{name!r}]"
         _get(where, spec, "centre", bool, ctx)   # first: spec is an object; then no key is ignored
-        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt >= MATRIX_FORMAT)]:
+        if unknown := [k for k in spec if k not in ("centre", "bias", "input") + MATRICES * (fmt >= MATRIX_FORMAT)
+                       + ONLINE_KEYS * (fmt >= ONLINE_FORMAT)]:
             _fail(where, f"{ctx}.{unknown[0]} is not in format {fmt} (a newer normswap's?): the model would differ")
         if any(_get(where, spec, k, int, ctx) < 0 for k in ("bias", *MATRICES) if k in spec or k == "bias"):
             _fail(where, f"{ctx}: the bias and matrix widths must be >= 0")
         if "input" in spec:
             _get(where, spec, "input", bool, ctx)
+        if "online" in spec or "online_factor" in spec:
+            _check_online(where, spec, ctx)
     kept = section.get("not_preserved", {})
     if not isinstance(kept, dict) or not all(isinstance(x, str) and x.isprintable() for x in [*kept, *kept.values()]):
         _fail(where, "not_preserved must map output names to reasons (printed on loads: plain text)")
@@ -231,74 +243,7 @@ def local_names(section: dict, model: nn.Module) -> dict:
             "output_fixes": {local(k): v for k, v in section.get("output_fixes", {}).items()}}
 
 
-# ---- the structure: norms, added biases, output and input fixes --------------------------------------------
-
-def centred(x: torch.Tensor) -> torch.Tensor:
-    """x minus its mean over the last dim (the mean taken in fp32, or fp64 for fp64)."""
-    if x.dtype in (torch.float32, torch.float64):   # two ops, no casts: an output fix runs per token in decode
-        return torch.sub(x, x.sum(-1, keepdim=True), alpha=1.0 / x.shape[-1])
-    return x - x.mean(-1, keepdim=True, dtype=torch.float32).to(x.dtype)
-
-
-def fixed(out: torch.Tensor, centre: bool, bias: torch.Tensor | None, matrix: torch.Tensor | None = None):
-    """What an output fix returns for `out`: centred if `centre`, times `matrix` if given, plus `bias` if given."""
-    out = centred(out) if centre else out
-    out = out if matrix is None else out @ matrix.to(out.dtype)
-    return out if bias is None else out + bias
-
-
-def _fix_output(module: nn.Module, args, out: torch.Tensor) -> torch.Tensor:
-    p = module._parameters   # not getattr(m, name, None): an absent name raises an AttributeError per call
-    return fixed(out, module.normswap_centre, p.get("normswap_bias"), p.get("normswap_matrix"))
-
-
-def add_output_fix(module: nn.Module, centre: bool, bias: torch.Tensor | None = None, width: int = 0,
-                   matrix: torch.Tensor | None = None, side: int = 0) -> None:
-    """Make `module` return centre(out) @ matrix + bias (a forward hook: the module, its parameter names and any
-    tying stay). bias=None with width>0 creates a zero bias `normswap_bias`, matrix=None with side>0 a zero
-    side x side `normswap_matrix` (for loading: the weights fill them)."""
-    if hasattr(module, "normswap_centre"):
-        raise ValueError("module already has an output fix")
-    _own(module, "normswap_bias", torch.zeros(width) if bias is None and width else bias)
-    _own(module, "normswap_matrix", torch.zeros(side, side) if matrix is None and side else matrix)
-    module.normswap_centre = bool(centre)
-    module.register_forward_hook(_fix_output)
-
-
-def first_input(module: nn.Module, args, kwargs) -> str | int | None:
-    """Where the first tensor `module` is called with is: 0 (its first positional argument), else its first
-    tensor keyword argument in its forward's order (however the caller ordered them); None if none."""
-    if args:
-        return 0
-    order = list(inspect.signature(module.forward).parameters)
-    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    return min(keys, key=lambda k: order.index(k) if k in order else len(order), default=None)
-
-
-def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
-    """`value` (unless None) as the module's parameter `attr`, in its first parameter's dtype and device."""
-    ref = next(module.parameters(), value)
-    if value is not None:
-        setattr(module, attr, nn.Parameter(value.detach().to(ref.device, ref.dtype).clone()))
-
-
-def centre_input(module: nn.Module, args, kwargs):
-    """A forward pre-hook (with kwargs) that centres the first tensor a module is called with (`first_input`), then
-    multiplies it by the module's `normswap_input_matrix` where it has one (a rotation's)."""
-    key, m = first_input(module, args, kwargs), module._parameters.get("normswap_input_matrix")
-    x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
-    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
-
-
-def add_input_fix(module: nn.Module, side: int = 0) -> None:
-    """Centre the first tensor `module` is called with (a stream entering a block after a non-linearity); side>0
-    creates a zero side x side `normswap_input_matrix` to multiply it by (for loading: the weights fill it)."""
-    if getattr(module, "normswap_centre_input", False):
-        raise ValueError("module already has an input fix")
-    _own(module, "normswap_input_matrix", torch.zeros(side, side) if side else None)
-    module.normswap_centre_input = True
-    module.register_forward_pre_hook(centre_input, with_kwargs=True)
-
+# ---- the structure's one weight edit: a bias created where a section adds one ----------------------------
 
 def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
     """The bias of a Linear / GPT-2 Conv1D, created as zeros if absent; returns (bias, created)."""
@@ -308,31 +253,3 @@ def ensure_bias(layer: nn.Module) -> tuple[nn.Parameter, bool]:
     out_features = w.shape[0] if isinstance(layer, nn.Linear) else w.shape[1]  # Conv1D stores (in, out)
     layer.bias = nn.Parameter(torch.zeros(out_features, device=w.device, dtype=w.dtype))
     return layer.bias, True
-
-
-def apply_structure(model: nn.Module, section: dict, make_norm=build_norm) -> None:
-    """The module changes a section records, on the original architecture (new tensors are placeholders the
-    weights fill): each norm replaced by make_norm(spec, old module), biases added, then the fixes (which may
-    sit on a norm)."""
-    section = local_names(section, model)
-    for name, spec in section.get("norms", {}).items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, make_norm(spec, model.get_submodule(name)))
-    for name in section.get("added_biases", []):
-        ensure_bias(model.get_submodule(name))
-    for name, spec in section.get("output_fixes", {}).items():
-        if spec.get("input"):
-            add_input_fix(model.get_submodule(name), spec.get("input_matrix", 0))
-        if spec["centre"] or spec["bias"] or spec.get("matrix"):
-            add_output_fix(model.get_submodule(name), spec["centre"], width=spec["bias"], side=spec.get("matrix", 0))
-
-
-def rebuild(model: nn.Module, section, where: str, make_norm=build_norm, quiet: bool = False) -> None:
-    """Turn a freshly built original architecture into the converted one: the section validated against the
-    model, its checksum checked (the weights' once loaded), applied; warns of outputs not preserved unless `quiet`."""
-    validate(section, where, model)
-    check_section_hash(section, where)
-    apply_structure(model, section, make_norm)
-    if section.get("not_preserved") and not quiet:   # said on every load, in normswap and in plain transformers alike
-        warnings.warn(f"{where}: this RMSNorm conversion keeps the original's outputs except "
-                      + "; ".join(f"{k} ({why})" for k, why in section["not_preserved"].items()), stacklevel=2)

@@ -4,10 +4,10 @@ checked by the shipped checks (`portable.validate`: format, types, ranges). A se
 (`Section.new`); `write` is the one place a section goes to disk (sealed: fingerprint and checksum).
 
 The dict: `format` (4; 2 and 3 still read), `base` (the original architecture and model_type), `norms` (name ->
-type, width, eps, affine, p), `added_biases`, `output_fixes` (name -> centre, bias width, input, matrix widths),
-`conversions`, `rotations`, `not_preserved` (output -> why), `renamed` (module prefix -> name on disk),
-`fingerprint` (`folder.fingerprint`) and `checksum` (of itself and of the weights files' headers). An optional key
-a section lacks is None here, and stays absent in its dict.
+type, width, eps, affine, p), `added_biases`, `output_fixes` (name -> centre, bias width, input, matrix widths,
+online rotation widths), `conversions`, `rotations`, `not_preserved` (output -> why), `renamed` (module prefix ->
+name on disk), `fingerprint` (`folder.fingerprint`) and `checksum` (of itself and of the weights files' headers). An
+optional key a section lacks is None here, and stays absent in its dict.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from normswap.folder.schema import validate
 from normswap.folder.shipped import finish_folder, original_class, sealed
 from normswap.io.owned import RECORD
 
-FIX_KEYS = ("input", "matrix", "input_matrix")   # an output fix's optional keys
+FIX_KEYS = ("input", "matrix", "input_matrix", "online", "online_factor")   # an output fix's optional keys
 # Optional keys, in the order `to_dict` writes them (output fixes first, the checksum last: they are typed).
 OPTIONAL = ("output_fixes", "conversions", "rotations", "not_preserved", "renamed", "fingerprint", "checksum")
 
@@ -63,12 +63,15 @@ class Norm:
 @dataclass(frozen=True)
 class Fix:
     """A module's fixes: its output centred (`centre`), plus a bias of width `bias` (0: none), times a
-    `matrix` x `matrix` matrix (a rotation's); its first input centred (`input`), times an `input_matrix` one."""
+    `matrix` x `matrix` matrix (a rotation's); its first input centred (`input`), times an `input_matrix` one; its
+    first input rotated online (width `online`, an `online_factor` x `online_factor` factor: `add_online_rotation`)."""
     centre: bool
     bias: int = 0
     input: bool | None = None
     matrix: int | None = None
     input_matrix: int | None = None
+    online: int | None = None
+    online_factor: int | None = None
 
     def to_dict(self) -> dict:
         return {"centre": self.centre, "bias": self.bias, **_present({k: getattr(self, k) for k in FIX_KEYS})}

@@ -3,7 +3,7 @@
 file defines). normswap rebuilds its folders with `portable` alone, but a converted model in memory is an instance
 of a `NormswapMixin` class too (`models.adopt`), so that transformers' own save path writes a complete folder.
 
-- `NormswapMixin`: first in the bases of the generated classes. Built, it applies the section (`portable.rebuild`);
+- `NormswapMixin`: first in the bases of the generated classes. Built, it applies the section (`fixes.rebuild`);
   `from_pretrained` reads the "normswap" weights variant, checks the weights' checksum and the fingerprint;
   `save_pretrained` writes that variant, then `finish_folder`: the fingerprint of the model as it is now, the
   checksum, config.json's model_type / architectures / auto_map naming the generated classes, and this file.
@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from normswap.folder.checksum import VARIANT, checksum, verify_checksum
 from normswap.folder.fingerprint import record, verify
-from normswap.folder.portable import FORMAT, InvalidConversion, rebuild
+from normswap.folder.portable import FORMAT, InvalidConversion
+from normswap.folder.fixes import rebuild
 
 # ---- shipped from here: the transformers side -----------------------------------------------------------------
 import importlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)
@@ -83,10 +84,15 @@ def register_base_mapping(class_name: str, section: dict) -> None:
     except ImportError:
         return
     base = section["base"]
-    mapping = get_checkpoint_conversion_mapping(base["architecture"]) or \
-        get_checkpoint_conversion_mapping(base["model_type"])
-    if mapping:
-        register_checkpoint_conversion_mapping(class_name, mapping, overwrite=True)
+    by_class = get_checkpoint_conversion_mapping(base["architecture"])
+    mapping = by_class or get_checkpoint_conversion_mapping(base["model_type"])
+    # A model_type's mapping goes under model_types (the original's, which a converted model's config keeps in
+    # memory, and the folder's, PREFIX + it): registered by class name, it would claim the root by class, and a
+    # sub-model of the original's model_type would get the same mapping again (a second renaming: harmless where
+    # renaming is idempotent, not where a name's target contains its source, as HY-V4's `hc_` names do).
+    for key in [class_name] if by_class else [base["model_type"], PREFIX + base["model_type"]]:
+        if mapping:
+            register_checkpoint_conversion_mapping(key, mapping, overwrite=True)
 
 
 def peft_defaults(model_type: str, base: str) -> None:

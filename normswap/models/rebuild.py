@@ -1,5 +1,5 @@
 """A folder saved by normswap, rebuilt: the original transformers class from config.json, the recorded
-structure (norms, added biases, output and input fixes) applied by `portable.rebuild` (the code the folder
+structure (norms, added biases, output and input fixes) applied by `fixes.rebuild` (the code the folder
 ships, run here with normswap's own norm modules), the weights loaded. No code from the folder runs (its
 `auto_map` is ignored)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from normswap.io import safetensors
 from normswap.errors import NormswapError, first_line, reraised
 from normswap.io import owned
-from normswap.folder import portable, schema
+from normswap.folder import portable, schema, fixes
 from normswap.models.adopt import adopt
 from normswap.folder.modeling import MODELING_FILE
 from normswap.models.names import saved_names
@@ -111,7 +111,7 @@ def from_pretrained(path: str | Path, dtype: str | None = None, allow_missing_we
     stored = DTYPES.get(str(getattr(config, "dtype", None) or "float32").replace("torch.", ""), torch.float32)
     model = build_model(cls, config, DTYPES[dtype] if dtype else stored)
     with reraised(portable.InvalidConversion):
-        portable.rebuild(model, section, str(path), build_norm)   # what the shipped modeling_normswap.py runs
+        fixes.rebuild(model, section, str(path), build_norm)   # what the shipped modeling_normswap.py runs
     _warn_old_code(path, section)
     _load_weights(model, path, allow_missing_weights)
     if not allow_missing_weights:   # names, shapes and sizes as saved (the values are not hashed)

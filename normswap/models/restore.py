@@ -1,6 +1,6 @@
 """A converted module without a transformers config, rebuilt from the folder `save_pretrained` wrote for it
 (model.safetensors and normswap.json, its `normswap` section): on a fresh instance of the user's class, the
-recorded structure is applied by `portable.rebuild` (what every converted Hugging Face folder runs), then
+recorded structure is applied by `fixes.rebuild` (what every converted Hugging Face folder runs), then
 the weights are loaded strictly.
 
     model = GPT()                                # the user's class, built as before converting
@@ -21,7 +21,7 @@ from torch import nn
 
 from normswap.errors import NormswapError, first_line
 from normswap.io import owned, safetensors
-from normswap.folder import checksum, portable, schema
+from normswap.folder import checksum, portable, schema, fixes
 from normswap.models.introspect import norm_kind
 from normswap.models.rebuild import load_weights
 from normswap.folder.attached import qualified_name
@@ -135,7 +135,7 @@ def restore(model: nn.Module, folder, check_fingerprint: bool = True) -> nn.Modu
 
     The section is validated against the model and its checksum checked (of itself and of the weights'
     headers); the norms it names must be norms of the recorded width. Then, as `from_pretrained` does for a
-    Hugging Face folder (`portable.rebuild`, one implementation): the RMSNorms (type, eps, p, affine), the
+    Hugging Face folder (`fixes.rebuild`, one implementation): the RMSNorms (type, eps, p, affine), the
     added biases, the output and input fixes. The weights are loaded strictly: a missing, unexpected or
     wrong-shaped tensor is an error. The section is set as `model.normswap_section`; the train/eval mode is
     left as it was. Outputs are bit-identical to the saved model's when `model` is built in the dtype it was
@@ -156,7 +156,7 @@ def restore(model: nn.Module, folder, check_fingerprint: bool = True) -> nn.Modu
         portable.validate(record, where, model)
         checksum.verify_checksum(record, folder, where)   # before the model changes: section and weights' headers
         _check_norms(model, record, where)
-        portable.rebuild(model, record, where, build_norm)
+        fixes.rebuild(model, record, where, build_norm)
         off_fast_path(model)   # torch's fused encoder layer would compute LayerNorm from the rebuilt norms
         _check_ties(model, folder, where)
         load_weights(model, folder, _strict(where))

@@ -106,9 +106,11 @@ def _exact(report: ConversionReport) -> bool:
 def _check_rotate(o: ConvertOptions) -> None:
     """A rotation keeps the function only of an exact RMSNorm conversion (`surgery.rotate`)."""
     if not o.rotate:
-        if o.rotate_method != DEFAULTS.rotate_method or o.seed is not None:
-            raise NormswapError(f"`{'seed' if o.seed is not None else 'rotate_method'}` is used only with "
-                                "`rotate=True`")
+        given = [f"{k}=True" if getattr(o, k) is True else k for k in ("rotate_method", "seed", "rotate_heads",
+                                                                        "rotate_online")
+                 if getattr(o, k) != getattr(DEFAULTS, k)]
+        if given:
+            raise NormswapError(f"`{given[0]}` is used only with `rotate=True`")
         return
     if o.method != Method.EXACT:
         raise NormswapError("`rotate=True` needs `method='exact'`: a rotation keeps the outputs only of a model "
@@ -209,7 +211,7 @@ def convert_checkpoint(src: str, out: str | Path, options: ConvertOptions = DEFA
             raise Interrupted(result.healed.signum)
     skip = report.unverified
     if o.rotate:   # refused (NotRotatable) before any edit, and before anything is written
-        result.rotation = rotate(model, o.rotate_method, o.seed or 0, examples)
+        result.rotation = rotate(model, o.rotate_method, o.seed or 0, examples, o.rotate_heads, o.rotate_online)
         skip = {**skip, **result.rotation.not_preserved}
     result.parity = compare_to(reference, model, skip=skip)   # those the reports name
     refuse_nonfinite(result.parity)

@@ -31,7 +31,7 @@ from normswap.checkpoint.lazy import InMemoryOnly, Lazy, LoadOnUse, bound_heap, 
 from normswap.checkpoint.meta import open_folder, read_buffers, reopen, skeleton
 from normswap.errors import NormswapError, reraised
 from normswap.io import safetensors
-from normswap.folder import fingerprint, portable
+from normswap.folder import fingerprint, portable, fixes
 from normswap.io.spill import Spill
 from normswap.models.demo import DEMO_NAME
 from normswap.models.inputs.examples import model_inputs
@@ -130,7 +130,7 @@ def lazy_folder(out: Path, dtype: torch.dtype, bar=None) -> tuple[nn.Module, Laz
     config, cls = base_config(raw, raw["normswap"], str(out))
     converted = skeleton(config, dtype, cls)
     with reraised(portable.InvalidConversion):   # what from_pretrained and the folder's own code run
-        portable.rebuild(converted, raw["normswap"], str(out), build_norm, quiet=True)   # the report says it
+        fixes.rebuild(converted, raw["normswap"], str(out), build_norm, quiet=True)   # the report says it
     lazy = Lazy(converted, safetensors.Reader(out, mapped=True), bar)
     read_buffers(converted, lazy)
     return converted, lazy, raw["normswap"]

@@ -53,6 +53,13 @@ class ConvertOptions:
         help="With --rotate: hadamard (randomised Hadamard) or random (random orthogonal)."))
     seed: int | None = field(default=None, metadata=dict(   # None: 0
         flag="--seed", type=int, help="With --rotate: draws the Hadamard signs or the random matrix (default 0)."))
+    rotate_heads: bool = field(default=False, metadata=dict(   # `normswap rotate --heads`
+        flag="--rotate-heads", is_flag=True,
+        help="With --rotate: also each attention head's values and output projection (QuaRot's R2, folded)."))
+    rotate_online: bool = field(default=False, metadata=dict(   # `normswap rotate --online`
+        flag="--rotate-online", is_flag=True,
+        help="With --rotate: also each MLP down projection's input, at run time by a fast Hadamard transform "
+             "(QuaRot's R4)."))
     onnx: str | None = field(default=None, metadata=dict(   # then export to this ONNX file (target ort)
         flag="--onnx", type="path", help="Then export to this ONNX file (target ort)."))
     max_shard_size: int | str = field(default=safetensors.DEFAULT_MAX_SHARD_SIZE, metadata=dict(
@@ -79,6 +86,10 @@ class RotateOptions:
         flag="--heads", is_flag=True,
         help="Also rotate each attention head's values and the output projection reading them (QuaRot's R2, "
              "folded into their weights)."))
+    online: bool = field(default=False, metadata=dict(   # QuaRot's R4 (`surgery.online`)
+        flag="--online", is_flag=True,
+        help="Also rotate the input of each layer writing the stream from an activation (an MLP's down projection) "
+             "at run time by a fast Hadamard transform (QuaRot's R4; saved with the shipped modeling file)."))
     load: LoadOptions = LoadOptions()
     device: str = field(default="auto", metadata=DEVICE)   # where the model is rotated and verified
     example_inputs: object = field(default=None, metadata=dict(

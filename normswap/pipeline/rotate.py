@@ -51,7 +51,7 @@ def rotate_checkpoint(src: str, out: str | Path, options: RotateOptions = DEFAUL
     check_examples(examples)
     model, tokenizer = load_model(src, options=o.load)
     model.to(device)
-    report = rotate(model, o.method, o.seed, examples, o.heads)
+    report = rotate(model, o.method, o.seed, examples, o.heads, o.online)
     save_pretrained(model, out, tokenizer=tokenizer, overwrite=o.overwrite, max_shard_size=o.max_shard_size,
                     source=source_folder(src))
     return RotateResult(report, out)

@@ -112,13 +112,13 @@ def rotate(model: nn.Module | PathLike, out: PathLike | None = None, options: Ro
     saved to `out` (a RotateResult; `normswap rotate`).
 
     options: a RotateOptions, or its fields as keywords: method ("hadamard" | "random"), seed, heads (QuaRot's R2
-    too), example_inputs; for a path also dtype, device, overwrite, max_shard_size.
+    too), online (QuaRot's R4 too), example_inputs; for a path also dtype, device, overwrite, max_shard_size.
     """
     o = options_from(RotateOptions, options, keywords)
     if _is_path(model):
         return rotate_checkpoint(os.fspath(model), _out(out), o)
-    _in_memory(o, ("method", "seed", "example_inputs", "heads"), out)
-    return rotate_model(model, o.method, o.seed, o.example_inputs, o.heads)
+    _in_memory(o, ("method", "seed", "example_inputs", "heads", "online"), out)
+    return rotate_model(model, o.method, o.seed, o.example_inputs, o.heads, o.online)
 
 
 # export_onnx's keywords for a model in memory beyond ExportOptions: validate=False skips onnxruntime's check,

@@ -45,6 +45,11 @@ def probe(steps: ExactSteps, model: nn.Module) -> dict:
         batch = steps.inputs(model)[0]
     except NoInputs as e:
         return {"none": f"no input to run it on ({first_line(e, strip=True)})"}
+    return probe_of(batch)
+
+
+def probe_of(batch: dict) -> dict:
+    """The fingerprint's probe for the input batch `batch` (keyword arguments), or why it cannot be stored."""
     try:
         return {"probe": {"args": fingerprint.encode(()), "kwargs": fingerprint.encode(batch)}}
     except TypeError as e:

@@ -13,9 +13,9 @@ steps:
    and persistent buffers added to the stream along their last dim (or the dim a product makes channels:
    stacked expert weights), biases included; a per-channel scale (LayerScale, `lambda * x`) folded into its layer first;
 2. fold each norm bias into the layers reading that norm, c' = c + W b, creating a zero bias where there
-   is none (listed in added_biases); where a reader is not linear, also reads something else, the
-   norm's output is returned, or the created biases would be far wider than the norm (a bias-less LM
-   head: `plan.WIDE_FOLD`), the bias is kept after the norm as an output fix instead.
+   is none (listed in added_biases: a bias-less LM head's, tied or not); where a reader is not linear,
+   also reads something else, or the norm's output is returned (a headless model's final norm), the bias is
+   kept after the norm as an output fix instead.
 Arithmetic in float64, results stored in the model's dtype.
 
 Tied embeddings. If lm_head.weight is E, centring E's rows changes the logits by -m_v * sum(y_t)

@@ -186,6 +186,7 @@ class Trace:
     ran: set[str] = field(default_factory=set)                                             # parameters
     called: set[str] = field(default_factory=set)                                          # hooked leaves
     poison: dict[User, str] = field(default_factory=dict)    # user -> the opaque value it mixed the stream with
+    passes: dict[User, str] = field(default_factory=dict)    # a sum or move whose output is opaque -> why
     tolerant: dict[Label, set[int]] = field(default_factory=lambda: defaultdict(set))   # label -> widths of rows
     # a functional layer_norm read whole: invariant to centring those rows (F.layer_norm, MONAI's proj_out)
 

@@ -38,7 +38,7 @@ def head_width(model: nn.Module) -> int:
     return hidden // heads
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((a.double() - b.double()).abs().max() <= TOL * max(b.double().abs().max().item(), 1e-30))
 
 
@@ -68,12 +68,12 @@ def find_pairs(model: nn.Module, found: Streams, batch: dict, r: torch.Tensor) -
     def record(name):
         return lambda m, args: recorded.setdefault(name, args[0].detach().clone())   # its first call's
     with eval_mode(model):
-        _run(model, batch, [layer(o).register_forward_pre_hook(record(o)) for o in outputs])
+        run(model, batch, [layer(o).register_forward_pre_hook(record(o)) for o in outputs])
         pairs = [(v, o) for v in values if (o := _pair(model, v, outputs, recorded, batch, r)) is not None]
     return pairs
 
 
-def _run(model: nn.Module, batch: dict, handles: list) -> None:
+def run(model: nn.Module, batch: dict, handles: list) -> None:
     try:
         model(**batch)
     except _Reached:
@@ -91,13 +91,13 @@ def _pair(model: nn.Module, v: str, outputs: list[str], recorded: dict, batch: d
 
     def check(name):
         def hook(m, args):
-            if name in recorded and not _close(args[0], recorded[name]):
-                hit.extend([name] if _close(args[0], per_head(recorded[name], r)) else [])
+            if name in recorded and not close(args[0], recorded[name]):
+                hit.extend([name] if close(args[0], per_head(recorded[name], r)) else [])
                 raise _Reached
         return hook
     layer = model.get_submodule
     handles = [layer(v).register_forward_hook(lambda m, a, out: per_head(out, r))]
-    _run(model, batch, handles + [layer(o).register_forward_pre_hook(check(o)) for o in outputs])
+    run(model, batch, handles + [layer(o).register_forward_pre_hook(check(o)) for o in outputs])
     return hit[0] if hit else None
 
 

@@ -1,9 +1,9 @@
 """The exact-conversion plan: plain data naming modules and parameters, derived from the traced forwards.
 
 Per norm: its sources (what its input is a sum of, over every call), its readers (linear layers reading
-its output) and what happens to its bias (a `labels.BiasPlan`): FOLD into the readers, AFTER (kept as a bias
-after the norm: a reader is not linear or also reads something else, the output is returned, or folding would give
-bias-less readers biases more than WIDE_FOLD times the norm's width, as an LM head's vocabulary-wide one), STREAM
+its output) and what happens to its bias (a `labels.BiasPlan`): FOLD into the readers (a bias-less one given a
+bias: an LM head's, vocabulary-wide, even when its weight is tied), AFTER (kept as a bias after the norm: a reader is
+not linear or also reads something else, or the output is returned, as a headless model's final norm's), STREAM
 (the norm's output is itself a stream writer, as BLOOM's embedding norm: its output is centred and its centred bias
 kept after), NONE (no bias). `reason` (a `labels.Refusal`) says why a norm cannot be made exact (then the
 plan is refused as a whole); `Plan.reasons` holds the model-wide ones (a parameter that never ran);
@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from normswap.models.introspect import floating_buffers, is_linear, norm_kind, out_width
+from normswap.models.introspect import floating_buffers, is_linear, norm_kind
 from normswap.surgery.labels import BiasPlan, Cause, Label, Refusal, User
 from normswap.surgery.reach import dead, never_runs, read_names, unreachable
 from normswap.surgery.record import Trace
 from normswap.surgery.steps import Centre, Fix, Fold, Module, Param, Scale, Step
 from normswap.surgery.walk import NormSite
-
-WIDE_FOLD = 4      # a norm's bias is folded unless the biases that creates are wider than this times the norm
 
 
 @dataclass
@@ -92,10 +90,15 @@ def _conflict(t: Trace, label: Label, ranges) -> User | None:
 
 
 def _mixed(t: Trace, user: User, what: str, modules: tuple) -> Refusal | None:
-    """The refusal when `user` read the stream only because it mixed it with an opaque value."""
-    cause = t.poison.get(user)
-    return None if cause is None else Refusal(Cause.MIXED, f"the stream that {what} is mixed ({user}) with a value "
-                                              f"that went through {cause}, which no weight edit centres", modules)
+    """The refusal when `user` read the stream only because it mixed it with an opaque value, or summed or moved
+    it so that the trace cannot follow its rows (a sum of values laid out otherwise: MLP-Mixer's token mixing)."""
+    if (cause := t.poison.get(user)) is not None:
+        return Refusal(Cause.MIXED, f"the stream that {what} is mixed ({user}) with a value that went through "
+                       f"{cause}, which no weight edit centres", modules)
+    if (why := t.passes.get(user)) is not None:
+        return Refusal(Cause.MIXED, f"the stream that {what} goes through {user}: {why}, whose rows no weight edit "
+                       "centres", modules)
+    return None
 
 
 def _stream(user: User, name: str) -> Refusal:
@@ -173,12 +176,11 @@ def _bias_fate(model: nn.Module, t: Trace, s: NormSite, readers: list[str]) -> B
         return BiasPlan.NONE
     if t.fed_norms.get(label):
         return BiasPlan.STREAM
+    # Folded, a bias-less reader's new bias adds no op per call: its matmul becomes one addmm; kept after the
+    # norm, the bias is one more op per call, which in eager decode costs more (benchmarks/RESULTS.md, issue 50).
     if readers and not t.uses.get(label) and all(is_linear(model.get_submodule(r)) and t.reads[r] == {label}
                                                  for r in readers):
-        # Folding gives each bias-less reader a bias: an add per row as wide as its output. Where that is far
-        # wider than the norm (a vocabulary-wide LM head), the bias kept after the norm costs less.
-        created = sum(out_width(layer) for layer in map(model.get_submodule, readers) if layer.bias is None)
-        return BiasPlan.AFTER if created > WIDE_FOLD * s.bias.numel() else BiasPlan.FOLD
+        return BiasPlan.FOLD
     return BiasPlan.AFTER
 
 
@@ -261,8 +263,8 @@ def _grouping(t: Trace, label: Label, ranges: dict[tuple, str], norms: dict[str,
 
 
 def _fixed(model: nn.Module, t: Trace, label: Label) -> bool:
-    """A source centred by a hook rather than by its weights: a norm, an entry, a tied embedding (tied as
-    parameters, or by hand: its weight also read directly, as Whisper's `x @ embedding.weight.T` head)."""
+    """A source centred by an output or input fix rather than by its weights: a norm, an entry, a tied embedding
+    (tied as parameters, or by hand: its weight also read directly, as Whisper's `x @ embedding.weight.T` head)."""
     if label.kind in ("norm", "entry"):
         return True
     layer = model.get_submodule(label.name) if label.kind == "layer" else None

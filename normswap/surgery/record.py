@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from normswap.folder.portable import first_input
+from normswap.folder.fixes import first_input
 from normswap.models.introspect import floating_buffers, in_width, is_scale, norm_kind
 from normswap.parity import main_output, tensors, tensors_in
 from normswap.surgery import rules
@@ -139,6 +139,8 @@ class Recorder(TorchFunctionMode):
             carried = None if self.rotating else rules.carried(name, flows, tracked, outs)
             if isinstance(flows, Flow) and carried is None:   # mixed with an opaque value: that value is the cause
                 self.trace.poison[user] = flows.opaque
+            elif isinstance(flows, str) and (name in rules.SUM or name in rules.MOVE):   # the stream passes here
+                self.trace.passes.setdefault(user, flows + self.where())
             for x, f in tracked if carried is None else ():
                 self.use(x, f, user)
             labels = frozenset().union(*(f.labels for _, f in tracked))
@@ -283,7 +285,7 @@ class Recorder(TorchFunctionMode):
 
     def entry(self, name: str, args, kwargs) -> None:
         """An opaque tensor entering a block (Whisper's encoder stream after a GELU) starts a new sum there:
-        an "entry" label, centred by a pre-hook on the block if a norm reads it. So does a floating tensor the
+        an "entry" label, centred by an input fix on the block if a norm reads it. So does a floating tensor the
         model itself was called with, entering a block unchanged (the stream nn.TransformerEncoder is given)."""
         self.stack.append(name)
         if not name:   # the model's own floating inputs: a stream the caller passes in (nn.TransformerEncoder's src)

@@ -23,6 +23,10 @@ A model that is RMSNorm already (Llama, Qwen, Mistral, Gemma's 1 + w, Phi-3...) 
 are found by what they compute (`streams.check_norms`), whatever library defines them, and their gains are set to
 ones where they are stored (a Gemma norm's w to 0). Such a model needs no output fix, so it stays an instance of
 its own class: saved, it is its original architecture with other weights (`models.save`).
+
+With `online`, the layers writing the stream from a channel-wise input (Llama's down_proj, GPT-2's MLP c_proj) also
+get an online rotation of that input (QuaRot's R4, `online`): run-time code, so the model gets a section (as a
+conversion's) recording it, and is saved with the shipped modeling file, no longer as its own architecture.
 """
 from __future__ import annotations
 
@@ -33,13 +37,17 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError, first_line
+from normswap.models.adopt import adopt
 from normswap.models.inputs.examples import NoInputs, check_examples, model_inputs
 from normswap.folder.attached import has_config, section, set_section
+from normswap.folder.section import new_section
 from normswap.models.wrapped import unwrapped
 from normswap.surgery import verification
 from normswap.surgery.algebra import centre_outputs, fold_bias, named_tensor, output_dim
 from normswap.surgery.centring import add_output_fix, describe_fix
+from normswap.surgery.convert import probe_of
 from normswap.surgery.heads import find_pairs, head_width, rotate_heads
+from normswap.surgery.online import find_online, rotate_online, rotated_online
 from normswap.surgery.orthogonal import METHODS, rotation, times
 from normswap.surgery.steps import Param
 from normswap.surgery.streams import NotRotatable, Gain, Stream, Streams, Writer, check_norms, find_streams
@@ -60,6 +68,7 @@ class RotationReport:
     not_preserved: dict[str, str] = field(default_factory=dict)
     inner: list[str] = field(default_factory=list)   # per-head norms inside blocks (Qwen3's q/k norms), left as is
     heads: dict | None = None   # the per-head rotation (R2): {width, q, pairs: [values layer, output layer]}
+    online: list[dict] = field(default_factory=list)   # online rotations of inputs (R4): {layer, width, q} each
     verification: dict | None = None
 
     def to_dict(self) -> dict:
@@ -75,6 +84,9 @@ class RotationReport:
         if self.heads:
             lines.append(f"  per head (width {self.heads['width']}, {self.heads['q']}): values and output of "
                          f"{len(self.heads['pairs'])} attention(s) ({self.heads['pairs'][0][0]}, ...)")
+        if self.online:
+            lines += [f"  online, before {len(group)} layer(s) ({group[0]}, ...): x -> x·H of width {width}, {q}"
+                      for (width, q), group in _grouped(self.online).items()]
         lines += [f"  untied {name} (a tie the config no longer makes: the LM head reads the rotated stream)"
                   for name in self.untied]
         lines += [f"  bias added to {name} (a norm's kept bias folded into it)" for name in self.added_biases]
@@ -89,15 +101,24 @@ class RotationReport:
         return "\n".join(lines)
 
 
+def _grouped(online: list[dict]) -> dict[tuple, list[str]]:
+    groups: dict[tuple, list[str]] = {}
+    for o in online:
+        groups.setdefault((o["width"], o["q"]), []).append(o["layer"])
+    return groups
+
+
 def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_inputs=None,
-           heads: bool = False) -> RotationReport:
+           heads: bool = False, online: bool = False) -> RotationReport:
     """Rotate every residual stream of an exactly converted `model` in place (see the module docstring).
 
     method: "hadamard" (a randomised Hadamard matrix, or a random orthogonal one where the width has no known
     Hadamard matrix) or "random" (a random orthogonal matrix); `seed` draws the signs or the matrix (stream i
     uses seed + i). example_inputs: as `convert` takes them (needed for a model without a config). heads: also
-    rotate each attention head's values and the layer reading them back (QuaRot's R2, `heads`). Refuses,
-    naming the part, what cannot be rotated exactly (`streams`), before any edit.
+    rotate each attention head's values and the layer reading them back (QuaRot's R2, `heads`). online: also
+    rotate at run time the input of each layer writing the stream from a channel-wise input (QuaRot's R4, `online`:
+    drawn from seed + the number of streams). Refuses, naming the part, what cannot be rotated exactly (`streams`),
+    before any edit.
     """
     if not isinstance(model, nn.Module):
         raise NormswapError(f"`model` must be a torch.nn.Module, not {type(model).__name__}")
@@ -106,8 +127,9 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
         raise NormswapError(f"unknown rotation method '{method}': choose hadamard or random")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise NormswapError(f"`seed` must be an int, not {type(seed).__name__}")
-    if not isinstance(heads, bool):
-        raise NormswapError(f"`heads` must be a bool, not {type(heads).__name__}")
+    for flag, value in (("heads", heads), ("online", online)):
+        if not isinstance(value, bool):
+            raise NormswapError(f"`{flag}` must be a bool, not {type(value).__name__}")
     check_examples(example_inputs)
     gains = check_norms(model)
     try:
@@ -121,6 +143,7 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
     found = find_streams(model, t, gains)
     _check_fixes(model, found)
     pairs, per_head = _head_pairs(model, found, inputs[0], method, seed) if heads else ([], None)
+    at_run_time = _online_layers(model, found, inputs[0], pairs) if online else []
     if pairs:
         found.not_preserved["cache"] = ("the attention's cache: its values (and keys, where one layer makes queries, "
                                         "keys and values: GPT-2's c_attn) stored rotated per head, read back so: "
@@ -142,9 +165,26 @@ def rotate(model: nn.Module, method: str = "hadamard", seed: int = 0, example_in
             report.streams.append({"width": s.width, "q": what, "norms": s.norms,
                                    "writers": [str(w.target) for w in s.writers], "readers": sorted(s.readers)})
             report.unrotated.update(_unrotated(s))
+        report.online = rotate_online(model, at_run_time, method, seed + len(found.streams))
+    if report.online and section(model) is None:   # run-time code now: a section, as a conversion's, ships it
+        set_section(model, new_section(model, probe_of(inputs[0])))
     _record(model, report, found)
     report.verification = _verify(reference, model)
+    if report.online:
+        adopt(model)   # its own save_pretrained writes the folder with the shipped code, as a converted model's
     return report
+
+
+def _online_layers(model: nn.Module, found: Streams, batch: dict, pairs: list[tuple[str, str]]) -> list[str]:
+    """The layers to rotate online (`online.find_online`; R2's are its); NotRotatable where none."""
+    done = rotated_online(model, found)
+    layers = find_online(model, found, batch, {o for _, o in pairs} | set(done))
+    if not layers and done:
+        raise NotRotatable(f"{done[0]} is rotated online already: no layer left to rotate online")
+    if not layers:
+        raise NotRotatable("no layer to rotate online: none writes the stream from a channel-wise function of "
+                           "layers reading it (an MLP's down projection)")
+    return layers
 
 
 def _head_pairs(model: nn.Module, found: Streams, batch: dict, method: str, seed: int):
@@ -279,7 +319,7 @@ def _matrix_fix(model: nn.Module, name: str, g: Gain, r_in: torch.Tensor | None 
     m = m.to(ref.device, ref.dtype)
     if not hasattr(norm, "normswap_centre"):
         add_output_fix(norm, False, matrix=m)
-    else:   # the conversion's fix: its hook reads these attributes at each call
+    else:   # the conversion's fix: its forward reads these attributes at each call
         norm.normswap_centre = False
         norm.normswap_matrix = nn.Parameter(m)
         if bias is not None and r_out is not None:
@@ -323,7 +363,8 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     transformers keeps as an attribute and computes nothing from, says what was done."""
     entry = {"method": report.method, "seed": report.seed, "widths": [s["width"] for s in report.streams],
              "untied": report.untied, "unrotated": sorted(report.unrotated),
-             **({"heads": report.heads["width"]} if report.heads else {})}
+             **({"heads": report.heads["width"]} if report.heads else {}),
+             **({"online": [o["layer"] for o in report.online]} if report.online else {})}
     record = section(model)
     if record is None:
         if has_config(model):
@@ -332,7 +373,8 @@ def _record(model: nn.Module, report: RotationReport, found: Streams) -> None:
     moved = {w.target.name for s in found.streams for w in s.writers if w.centre} | \
         {n for s in found.streams for n in s.biased}   # now in the weights
     fixes = {n: spec for n, spec in record.get("output_fixes", {}).items() if n not in moved}
-    fixes.update({n: describe_fix(model.get_submodule(n)) for n in report.unrotated})   # their matrices
+    fixes.update({n: describe_fix(model.get_submodule(n)) for n in [*report.unrotated,
+                                                                   *(o["layer"] for o in report.online)]})
     rotations = record.get("rotations", []) + [entry]
     new = {**record, "output_fixes": fixes, "rotations": rotations,
            "added_biases": sorted({*record.get("added_biases", []), *report.added_biases})}

@@ -207,6 +207,12 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
+def _unaligned(live: list) -> str:
+    """Why a sum is opaque whose parts lay their channels out differently, naming what each part holds."""
+    parts = sorted({label.ref or "the input" for _, f in live for label in f.labels})
+    return "a sum of differently laid out values (" + ", ".join(parts) + ")"
+
+
 def combined(ins: list, out: torch.Tensor) -> Flow | str:
     """The flow of a sum of the pure `ins` [(tensor, flow)] giving `out`; or why it is not pure."""
     live = [(x, f) for x, f in ins if not f.zero]
@@ -219,13 +225,13 @@ def combined(ins: list, out: torch.Tensor) -> Flow | str:
             hd = hds.pop()
             if all(x.dim() >= -hd and x.shape[hd] == out.shape[hd] for x, _ in live):
                 return Flow(labels, hd=hd, plain=False)
-        return "a sum of differently laid out values"
+        return _unaligned(live)
     first, f0 = live[0]
     c0 = codes_of(first, f0, 0)[0].expand(out.shape)
     for x, f in live[1:]:
         same = f.codes is not None and len(f.parts) == len(f0.parts)
         if not same or not torch.equal(codes_of(x, f, 0)[0].expand(out.shape), c0):
-            return "a sum of differently laid out values"
+            return _unaligned(live)
     parts = tuple((frozenset().union(*(f.parts[i][0] for _, f in live)), w) for i, (_, w) in enumerate(f0.parts))
     return Flow(labels, hd=None, codes=c0, parts=parts, plain=False)
 

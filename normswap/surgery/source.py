@@ -8,10 +8,13 @@ import textwrap
 
 from torch import nn
 
+from normswap.folder.fixes import unfixed_class
+
 
 def own_classes(module: nn.Module) -> list[type]:
-    """The module's classes that are the model's own code (not torch's, not transformers' generic bases)."""
-    return [c for c in type(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
+    """The module's classes that are the model's own code (not torch's, not transformers' generic bases, not the
+    class a conversion's fixes swapped in)."""
+    return [c for c in unfixed_class(module).__mro__ if not c.__module__.startswith(("torch", "builtins")) and
             not (c.__module__.startswith("transformers.") and not c.__module__.startswith("transformers.models."))]
 
 

@@ -137,10 +137,14 @@ def check_norms(model: nn.Module) -> dict[str, Gain]:
         if isinstance(m, PartialRMSNorm):
             raise NotRotatable(f"{name} is a pRMSNorm: its RMS over a few features does not commute with a "
                                "rotation of the stream (convert with --to rmsnorm)")
-        if kind == "layernorm":
+        # a class that only its name calls a LayerNorm (MT5LayerNorm) is one if it computes one: probed
+        named = kind == "layernorm" and not isinstance(m, nn.LayerNorm)
+        if kind == "layernorm" and (not named or (found := _probed(m, name, False)) is None):
             raise NotRotatable(f"{name} ({type(m).__name__}) is a LayerNorm: convert the model exactly to RMSNorm "
                                "first (`normswap convert --method exact`)")
-        if isinstance(m, (RMSNorm, nn.RMSNorm)):
+        if named:
+            norms[name] = found
+        elif isinstance(m, (RMSNorm, nn.RMSNorm)):
             norms[name] = _known(m, name)
         elif (found := _probed(m, name, kind == "rmsnorm")) is not None:
             norms[name] = found

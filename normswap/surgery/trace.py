@@ -31,6 +31,7 @@ from normswap.errors import NormswapError, first_line
 from normswap.models.introspect import is_linear, is_scale
 from normswap.models.modes import eval_mode
 from normswap.parity import by_rows, tensors_in
+from normswap.surgery.centring import input_fixes_first
 from normswap.surgery.flow import NormInput
 from normswap.surgery.labels import Label
 from normswap.surgery.record import Recorder, Trace
@@ -84,6 +85,11 @@ def trace(model: nn.Module, inputs: list[dict], norms: set[str], rotating: bool 
     takes (SpecAugment's masked embedding): what it shows of those parameters is added, so that they are
     centred too rather than left unknown (nothing else from it: training-only operations do not make an exact
     eval model inexact)."""
+    with input_fixes_first(model):   # a converted model's (rotation traces it): ahead of the entry hooks below
+        return _traced(model, inputs, norms, rotating)
+
+
+def _traced(model: nn.Module, inputs: list[dict], norms: set[str], rotating: bool) -> Trace:
     active = [Guarded(model, norms, rotating)]
     handles = []
     for name, module in model.named_modules():

@@ -2,8 +2,8 @@
 converted model that fails verification is the caller's model again (no copy of the model is made).
 
 What a plan edits, per module it names (`steps`): its own parameters and buffers (values written in place, a
-bias created), its hooks and `normswap_*` attributes (the output and input fixes); the norms swapped; torch's
-fused-encoder flags (`norms.off_fast_path`); the model's normswap section. `Undo.restore` writes the kept values
+bias created), its class, hooks and `normswap_*` attributes (the output and input fixes); the norms swapped;
+torch's fused-encoder flags (`norms.off_fast_path`); the model's normswap section. `Undo.restore` writes the kept values
 back into the same tensor objects (references the caller holds, an optimizer's, stay valid), drops what was
 created and puts every swapped norm back.
 """
@@ -59,12 +59,14 @@ class Undo:
 def _kept(module: nn.Module) -> dict:
     tensors = {k: None if t is None else (t, t.detach().clone()) for k, t in
                [*module._parameters.items(), *module._buffers.items()]}
-    return {"tensors": tensors, "params": dict(module._parameters), "buffers": dict(module._buffers),
+    return {"class": type(module), "tensors": tensors, "params": dict(module._parameters),
+            "buffers": dict(module._buffers),
             "hooks": {h: dict(getattr(module, h)) for h in HOOKS if hasattr(module, h)},
             "attrs": {k: v for k, v in vars(module).items() if k.startswith("normswap")}}
 
 
 def _put_back(module: nn.Module, kept: dict) -> None:
+    module.__class__ = kept["class"]
     for value in kept["tensors"].values():
         if value is not None:
             value[0].data.copy_(value[1])

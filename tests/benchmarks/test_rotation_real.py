@@ -18,6 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import rotation_real as rr  # noqa: E402
+from normswap.folder.fixes import online_rotated  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +124,19 @@ def test_quantized_replaces_every_decoder_linear_but_the_head_and_keeps_online_r
     assert rr.quantized(rot, rr.QUANTIZERS["fp32"]) is rot
 
 
+def test_quantized_keeps_the_librarys_online_rotation_before_the_quantizer(llama):
+    rot = rr.rotated(llama, rr.COLUMNS["R1+R2+R4 had (online)"], seed=0)
+    q = rr.quantized(rot, rr.QUANTIZERS["W8A6"])
+    x = torch.randn(2, 5, 48, dtype=torch.float64)
+    for layer, before in zip(q.model.layers, rot.model.layers):
+        down, old = layer.mlp.down_proj, before.mlp.down_proj
+        assert isinstance(down, rr.FakeQuantLinear)
+        signs, factor = old.normswap_online_signs.detach(), old.normswap_online_factor.detach()
+        assert torch.equal(down.normswap_online_signs, signs) and torch.equal(down.normswap_online_factor, factor)
+        want = nn.functional.linear(rr.fake_quant(online_rotated(x, signs, factor), 6), rr.fake_quant(old.weight, 8))
+        assert torch.allclose(down(x), want, rtol=0, atol=1e-12)
+
+
 def test_stats_of_one_outlier():
     s = rr.Stats()
     x = torch.ones(4, 100)
@@ -189,3 +203,13 @@ def test_amdahl_bounds():
     assert list(b) == ["W8A8"]
     assert b["W8A8"]["cut_max"] == pytest.approx(4.0) and b["W8A8"]["cut"] == pytest.approx(2.0)
     assert b["W8A8"]["additivity"] == pytest.approx({"none": 41 / 40, "R": 0.9})
+
+
+def test_an_exported_file_scores_in_onnxruntime_as_its_model(llama, tmp_path):
+    pytest.importorskip("onnxruntime")
+    import normswap
+    model = rr.rotated(llama, rr.COLUMNS["R1+R2+R4 had (online)"], seed=0).float()
+    normswap.export_onnx(model, tmp_path / "m.onnx")
+    with torch.no_grad():
+        cell = rr.score(rr.OrtLM(tmp_path / "m.onnx"), IDS, rr.reference(model, IDS, 2), 2)
+    assert cell["rel"] < 1e-5 and cell["kl"] < 1e-9 and cell["top1"] == 1.0

@@ -56,7 +56,7 @@ def test_each_command_has_one_flag_per_field_and_its_switches():
     assert _flags(convert) == {"--to", "--method", "--p", "--dtype", "--trust-remote-code", "--allow-missing-weights",
                                "--device", "--finetune-steps", "--data", "--onnx", "--max-shard-size", "--overwrite",
                                "--overwrite-any", "-o", "--output", "--json", "--inputs", "--rotate",
-                               "--rotate-method", "--seed"}
+                               "--rotate-method", "--seed", "--rotate-heads", "--rotate-online"}
     fields = {f.name for f in dataclasses.fields(HealOptions)} - {"lora"}
     assert {f"--{n.replace('_', '-')}" for n in fields - {"eval_texts"}} | {"--eval-data"} <= _flags(heal)
     assert {"--lora-rank", "--lora-alpha", "--lora-targets", "--lora-norms", "--no-lora-norms"} <= _flags(heal)

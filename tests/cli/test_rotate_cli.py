@@ -85,6 +85,22 @@ def test_convert_rotate_writes_a_rotated_folder_with_the_originals_outputs(folde
                               atol=1e-3)
 
 
+def test_convert_rotate_heads_and_online_as_rotate_does(folders, tmp_path):
+    """`convert --rotate --rotate-heads --rotate-online` does in one run what `rotate --heads --online` does."""
+    original, src, _ = folders
+    result = run("convert", src, "--to", "rmsnorm", "--method", "exact", "--rotate", "--rotate-heads",
+                 "--rotate-online", "-o", tmp_path / "r", "--json")
+    assert result.exit_code == 0, result.output
+    rotation = json.loads(result.output.strip().splitlines()[-1])["rotation"]
+    skip = rotation["not_preserved"]   # the cache, stored rotated per head (generation unchanged)
+    assert set(skip) == {"cache", "hidden_states"} and len(rotation["heads"]["pairs"]) == 2
+    assert [r["layer"] for r in rotation["online"]] == [f"transformer.h.{i}.mlp.c_proj" for i in range(2)]
+    for loaded in (normswap.load(tmp_path / "r")[0],
+                   tf.AutoModelForCausalLM.from_pretrained(tmp_path / "r", trust_remote_code=True).eval()):
+        assert compare(original, loaded, padded_batches(), skip=skip).max_rel < 1e-5
+    line = one_error_line(run("convert", src, "--to", "rmsnorm", "--rotate-online", "-o", tmp_path / "x"))
+    assert "--rotate-online is used only with --rotate" in line and not (tmp_path / "x").exists()
+
 def test_convert_rotate_text_report_names_the_rotation(folders, tmp_path):
     _, src, _ = folders
     result = run("convert", src, "--to", "rmsnorm", "--method", "exact", "--rotate", "-o", tmp_path / "r")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import normswap
-from normswap.folder import portable, schema
+from normswap.folder import portable, schema, fixes
 
 from helpers.export_models import converted as naive_conversion
 
@@ -77,21 +77,41 @@ def test_an_output_fix_key_the_format_does_not_define_is_refused(tmp_path):
         portable.validate({**matrix, "format": 5}, "m")
 
 
+def test_an_online_rotation_needs_format_4_and_a_width_of_its_factor_times_a_power_of_two(tmp_path):
+    """Format 3's readers refuse the keys (as format 4's before online rotations do: unknown keys); a width that is
+    not the factor's side times a power of two would not rebuild the transform."""
+    normswap.save_pretrained(naive_conversion("gpt2"), tmp_path / "m")
+    section = json.loads((tmp_path / "m" / "config.json").read_text())["normswap"]
+
+    def online(n, m, fmt=4):
+        return {**section, "format": fmt, "output_fixes": {"transformer.h.0.mlp.c_proj": {
+            "centre": False, "bias": 0, "online": n, "online_factor": m}}}
+    for n, m in ((128, 128), (128, 1), (48, 12), (96, 12)):
+        portable.validate(online(n, m), "m")
+    with pytest.raises(portable.InvalidConversion, match=r"\.online is not in format 3"):
+        portable.validate(online(48, 12, 3), "m")
+    for n, m in ((36, 12), (48, 10), (8, 12), (48, 0)):
+        with pytest.raises(portable.InvalidConversion, match=f"online rotation of width {n} with a {m} x {m} factor"):
+            portable.validate(online(n, m), "m")
+    with pytest.raises(portable.InvalidConversion, match=r"online_factor = True is not an integer"):
+        portable.validate(online(48, True), "m")
+
+
 def test_a_matrix_fix_multiplies_after_centring_and_before_the_bias():
     """out = centre(out) @ M + b; an input fix: centre(x) @ M."""
     layer = torch.nn.Linear(4, 4)
     m, b = torch.randn(4, 4), torch.randn(4)
-    portable.add_output_fix(layer, True, b, matrix=m)
+    fixes.add_output_fix(layer, True, b, matrix=m)
     x = torch.randn(3, 4)
     y = layer.weight @ x.T
     want = (y.T + layer.bias - (y.T + layer.bias).mean(-1, keepdim=True)) @ m + b
     torch.testing.assert_close(layer(x), want)
-    assert portable.fixed(x, False, None, m).equal(x @ m)
+    assert fixes.fixed(x, False, None, m).equal(x @ m)
     fresh = torch.nn.Linear(4, 4)   # as loading builds it: zeros the weights fill
-    portable.add_output_fix(fresh, False, width=4, side=4)
+    fixes.add_output_fix(fresh, False, width=4, side=4)
     assert fresh.normswap_matrix.shape == (4, 4) and not fresh.normswap_matrix.any()
     block = torch.nn.Identity()   # an input fix: centred, then times its matrix (a rotated entry)
-    portable.add_input_fix(block, side=4)
+    fixes.add_input_fix(block, side=4)
     block.normswap_input_matrix.data.copy_(m)
     torch.testing.assert_close(block(x), (x - x.mean(-1, keepdim=True)) @ m)
 
@@ -103,7 +123,7 @@ def test_centring_mean_is_exact_to_its_dtype(dtype):
     x = (torch.randn(5, 4096, dtype=torch.float64) * 3 + 7) * (60000 / 16 if dtype == torch.float16 else 1)
     x = x.clamp(-65000, 65000).to(dtype)
     want = x.double() - x.double().mean(-1, keepdim=True)
-    got = portable.centred(x)
+    got = fixes.centred(x)
     assert got.dtype == dtype
     err = ((got.double() - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
     # fp64: the old fp32 mean left ~1e-8 of each row's mean behind; in fp64 it is ~1e-16
@@ -113,7 +133,74 @@ def test_centring_mean_is_exact_to_its_dtype(dtype):
 def test_an_output_fix_without_bias_or_matrix_only_centres():
     """A centring-only fix (a tied embedding's) has no normswap_bias / normswap_matrix and returns centre(out)."""
     emb = torch.nn.Embedding(10, 8)
-    portable.add_output_fix(emb, True)
+    fixes.add_output_fix(emb, True)
     assert "normswap_bias" not in dict(emb.named_parameters()) and "normswap_matrix" not in dict(emb.named_parameters())
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(emb(ids), emb.weight[ids] - emb.weight[ids].mean(-1, keepdim=True))
+
+
+class Tied(torch.nn.Module):
+    """An embedding and a head sharing one weight (picklable: a module-level class)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _no_hooks(module: torch.nn.Module) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def fixed_tied() -> tuple[Tied, torch.Tensor]:
+    """`Tied` with every kind of fix: its embedding centred, its head's input centred and a bias added after it;
+    and what it returns for ids [[1, 2, 3]] (the expected values)."""
+    model, ids = Tied(), torch.tensor([[1, 2, 3]])
+    fixes.add_output_fix(model.emb, True)
+    fixes.add_input_fix(model.head)
+    fixes.add_output_fix(model.head, False, torch.randn(10))
+    w = model.emb.weight.detach()
+    e = w[ids] - w[ids].mean(-1, keepdim=True)
+    return model, (e - e.mean(-1, keepdim=True)) @ w.T + model.head.normswap_bias.detach()
+
+
+def test_fixes_are_the_modules_own_forward_not_hooks():
+    """A fixed module keeps its instance, class name, isinstance, parameters (a tie too) and state dict; its fixes
+    run in its own forward (no hook), through deepcopy and pickle."""
+    import copy
+    import pickle
+
+    keys, ids = list(Tied().state_dict()), torch.tensor([[1, 2, 3]])
+    model, want = fixed_tied()
+    assert isinstance(model.emb, torch.nn.Embedding) and type(model.emb).__name__ == "Embedding"
+    assert type(model.head) is fixes.fixed_class(torch.nn.Linear, True, True) and _no_hooks(model)
+    assert model.head.weight is model.emb.weight and list(model.state_dict()) == [*keys, "head.normswap_bias"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want)
+        for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert type(other.head) is type(model.head) and other.head.weight is other.emb.weight
+            assert torch.equal(other(ids), model(ids)) and _no_hooks(other)
+
+
+@pytest.mark.slow
+def test_fixed_modules_compile_and_export():
+    model, want = fixed_tied()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, fullgraph=True)(ids), want)
+        torch.testing.assert_close(torch.export.export(model, (ids,)).module()(ids), want)
+
+
+def test_an_input_fix_centres_a_keyword_argument_by_the_original_signature():
+    """Called with keywords only, the input fix centres the first tensor in the original forward's order."""
+    class Block(torch.nn.Module):
+        def forward(self, hidden, mask=None):
+            return hidden if mask is None else hidden * mask
+
+    block = Block()
+    fixes.add_input_fix(block)
+    x, mask = torch.randn(2, 4), torch.rand(2, 4)
+    torch.testing.assert_close(block(mask=mask, hidden=x), (x - x.mean(-1, keepdim=True)) * mask)

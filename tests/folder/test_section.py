@@ -19,7 +19,8 @@ SEALED = {
               "h.1.ln": {"type": "prmsnorm", "width": 8, "eps": 1e-6, "p": 0.25, "affine": False}},
     "added_biases": ["h.0.fc"],
     "output_fixes": {"wte": {"centre": True, "bias": 0}, "h.0.out": {"centre": False, "bias": 8, "matrix": 8},
-                     "h.1.mlp": {"centre": False, "bias": 0, "input": True, "input_matrix": 8}},
+                     "h.1.mlp": {"centre": False, "bias": 0, "input": True, "input_matrix": 8},
+                     "h.1.fc": {"centre": False, "bias": 0, "online": 24, "online_factor": 12}},
     "conversions": [{"to": "rmsnorm", "method": "exact", "p": None, "norms": 2}],
     "rotations": [{"method": "hadamard", "seed": 0, "widths": [8], "untied": False, "unrotated": []}],
     "not_preserved": {"hidden_states": "centred"}, "renamed": {"lm_head": "embed_out"},
@@ -33,6 +34,7 @@ def test_a_sealed_section_reads_and_writes_back_the_same_dict():
     assert section.base == Base("GPT2LMHeadModel", "gpt2")
     assert section.norms["h.1.ln"] == Norm("prmsnorm", 8, 1e-6, False, 0.25)
     assert section.output_fixes["h.1.mlp"] == Fix(centre=False, bias=0, input=True, input_matrix=8)
+    assert section.output_fixes["h.1.fc"] == Fix(centre=False, bias=0, online=24, online_factor=12)
     assert section.checksum == Checksum("sha256:00", "sha256:11")
     assert section.to_dict() == SEALED
     assert json.dumps(section.to_dict(), sort_keys=True) == json.dumps(SEALED, sort_keys=True)

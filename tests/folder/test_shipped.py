@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 import normswap
-from normswap.folder import checksum, fingerprint, modeling, portable, shipped
+from normswap.folder import checksum, fingerprint, modeling, portable, shipped, fixes
 
 from helpers.exact_models import FAMILIES, build, perturb
 from helpers.plain import OTHER_VERSION, check_loads, convert_all, plain_transformers
@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
 
 def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     root, cases = converted
-    first, *rest = [Path(m.__file__).read_text() for m in (portable, checksum, fingerprint, shipped)]
+    first, *rest = [Path(m.__file__).read_text() for m in (portable, fixes, checksum, fingerprint, shipped)]
     expected = "\n\n".join([first] + [text[text.index(modeling.SHIPPED_FROM):] for text in rest]) + modeling.GENERATED
     for folder, *_ in cases.values():
         for saved in (folder, Path(f"{folder}-own")):
@@ -49,16 +49,16 @@ def test_shipped_file_is_the_shipped_modules_verbatim(converted):
     imported = {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
                 for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
                 for a in (n.names if isinstance(n, ast.Import) else [n])}
-    assert imported <= {"__future__", "contextlib", "hashlib", "importlib", "inspect", "json", "math", "os", "re",
-                        "shutil", "struct", "sys", "warnings", "pathlib", "torch", "transformers"}
+    assert imported <= {"__future__", "contextlib", "functools", "hashlib", "importlib", "inspect", "json", "math",
+                        "os", "re", "shutil", "struct", "sys", "warnings", "pathlib", "torch", "transformers"}
     # One namespace: no module's name hides another's (a shared `digest` once broke every section's hash).
     names = [t.id if isinstance(t, ast.Name) else t.name for node in tree.body
              for t in (node.targets if isinstance(node, ast.Assign) else [node])
              if isinstance(t, (ast.Name, ast.FunctionDef, ast.ClassDef))]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
-    # And normswap rebuilds folders with it: the hooks the conversion installs are its functions.
+    # And normswap rebuilds folders with it: the fixes the conversion installs are its functions.
     from normswap.surgery import centring
-    assert centring.add_input_fix is portable.add_input_fix and centring.add_output_fix is portable.add_output_fix
+    assert centring.add_input_fix is fixes.add_input_fix and centring.add_output_fix is fixes.add_output_fix
 
 
 def test_every_exact_family_loads_in_plain_transformers_as_the_original(converted, monkeypatch):

@@ -12,7 +12,7 @@ COMMON = dict(vocab_size=V, tie_word_embeddings=None)
 FAMILIES = {
     "gpt2": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64), tf.GPT2LMHeadModel),
     "gpt2-headless": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64), tf.GPT2Model),
-    # a vocabulary over 4x the width, as real LMs have: ln_f's bias stays after it (no head bias added)
+    # a vocabulary over 4x the width, as real LMs have: ln_f's bias folds into the tied head all the same
     "gpt2-wide-vocab": (tf.GPT2Config, dict(n_layer=L, n_embd=D, n_head=4, n_positions=64, vocab_size=5 * D),
                         tf.GPT2LMHeadModel),
     "opt": (tf.OPTConfig, dict(num_hidden_layers=L, hidden_size=D, ffn_dim=64, num_attention_heads=4,

@@ -52,6 +52,7 @@ CASES = {
     "GlmAsrForConditionalGeneration": ("glmasr",),
     "GlmAsrModel": ("GlmAsrModel",),
     "GlmMoeDsaForCausalLM": ("glm_moe_dsa",),
+    "HYV4ForCausalLM": ("hy_v4",),   # renamings not idempotent (`hc_` in both names): once, not twice
     "HYV4Model": ("hy_v4",),
     "HYV4VLModel": ("hy_v4_vl",),
     "HYV4VLTextModel": ("hy_v4_vl_text",),

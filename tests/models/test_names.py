@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import normswap
-from normswap.folder import portable
+from normswap.folder import portable, fixes
 from normswap.models.names import renamed_modules, saved_names
 
 from helpers.exact_models import build
@@ -72,7 +72,7 @@ def test_gpt_neox_folder_rebuilds_with_transformers_4_names(neox):
     raw = json.loads((folder / "config.json").read_text())
     v4 = GPTNeoX4(tf.GPTNeoXConfig.from_dict({k: v for k, v in raw.items() if k not in ("auto_map", "model_type")}))
     assert "lm_head" not in dict(v4.named_modules())
-    portable.rebuild(v4, raw["normswap"], "m")
+    fixes.rebuild(v4, raw["normswap"], "m")
     v4.load_state_dict(safetensors.torch.load_file(folder / "model.normswap.safetensors"), strict=True)
     with torch.no_grad():
         got = v4.eval()(IDS)

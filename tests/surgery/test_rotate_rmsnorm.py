@@ -114,6 +114,37 @@ def test_a_module_whose_class_says_rmsnorm_but_computes_otherwise_is_refused_by_
         rotate(model)
 
 
+class ScaledLayerNorm(nn.Module):
+    """An RMSNorm that only its class name calls a LayerNorm (T5's kin: MT5LayerNorm, UMT5LayerNorm)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone())
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_a_class_named_layernorm_that_computes_an_rmsnorm_rotates():
+    model = tiny("llama")
+    for name, m in list(model.named_modules()):
+        if is_norm(name) and not name.endswith(("q_norm", "k_norm")):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, ScaledLayerNorm(m.weight))
+    before = copy.deepcopy(model)
+    report = rotate(model)
+    ids = torch.randint(0, 61, (2, 13), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert rel(model(input_ids=ids).logits, before(input_ids=ids).logits) <= 1e-5
+    assert len(report.streams[0]["norms"]) == 2 * TINY["num_hidden_layers"] + 1
+    mt5 = tf.MT5ForConditionalGeneration(tf.MT5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                      num_heads=4, decoder_start_token_id=0)).eval()
+    with pytest.raises(NotRotatable, match=r"^encoder.final_layer_norm's output is read by the model output"):
+        rotate(mt5)   # T5's own reason, not "is a LayerNorm"
+    model.model.norm = nn.LayerNorm(32)   # a real LayerNorm still is one
+    with pytest.raises(NotRotatable, match=r"model.norm \(LayerNorm\) is a LayerNorm"):
+        rotate(model)
+
 def test_post_norm_and_sandwich_norm_models_are_refused_by_name():
     """OLMo-2's norms are after each block (a layer reads the raw stream); Gemma-2's post-norms write the stream,
     which would need a matrix after them, a fix its own architecture cannot store."""

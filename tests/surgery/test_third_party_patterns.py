@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helpers.exact_models import build
 from helpers.user_models import perturbed
 
 import normswap
@@ -199,14 +200,25 @@ def test_a_failed_verification_leaves_the_model_as_it_was(uncentred):
     model = perturbed(Tiny())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = dict(model.named_modules())
+    classes = {n: type(m) for n, m in modules.items()}
     with pytest.raises(NotExact) as e:
         normswap.convert(model, method="exact", example_inputs=ids(2, 5))
     assert e.value.cause is Cause.UNVERIFIED
     assert dict(model.named_modules()).keys() == modules.keys()
-    assert all(m is modules[n] for n, m in model.named_modules())
+    assert all(m is modules[n] and type(m) is classes[n] for n, m in model.named_modules())   # no fix left
     assert model.state_dict().keys() == before.keys()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not hasattr(model.fc, "normswap_centre") and not hasattr(model, "normswap")
+
+
+
+def test_a_failed_verification_takes_the_fixes_back(uncentred):
+    """GPT-2's tied embedding, centred at lookup by its own forward (its class swapped), is an nn.Embedding again."""
+    model = build("gpt2")
+    with pytest.raises(NotExact):
+        normswap.convert(model, method="exact")
+    wte = model.transformer.wte
+    assert type(wte) is nn.Embedding and not hasattr(wte, "normswap_centre") and model.lm_head.bias is None
 
 
 # 7. The cause a refusal names is the real one
@@ -255,6 +267,26 @@ def test_metaformer_then_transformer_names_the_real_cause():
     assert e.value.cause is Cause.READ and e.value.refusal.modules == ("meta.ls1", "ln1"), str(e.value)
     assert "meta.mlp.0 (Conv2d)" in str(e.value)
 
+
+
+class TokenMixer(Tiny):
+    """MLP-Mixer's token mixing: a Linear across positions, its output transposed back and added to the stream."""
+
+    def __init__(self):
+        super().__init__()
+        del self.fc
+        self.tok = nn.Linear(5, 5)
+
+    def block(self, x):
+        return x + self.tok(self.ln1(x).transpose(1, 2)).transpose(1, 2)
+
+
+def test_token_mixing_names_the_sum_of_differently_laid_out_values():
+    with pytest.raises(NotExact) as e:
+        normswap.convert(perturbed(TokenMixer()), method="exact", example_inputs=ids(2, 5))
+    # not "read unnormalised by operation 'add'": the sum itself is the cause, and what it sums is named
+    assert e.value.cause is Cause.MIXED and e.value.refusal.modules == ("emb", "ln1"), str(e.value)
+    assert "differently laid out values (emb, tok)" in str(e.value)
 
 # 8. Partial where partial is possible: a later stage that cannot convert keeps its norms
 class LaterStagePostLN(Tiny):

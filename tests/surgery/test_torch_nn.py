@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import normswap
+from normswap.folder.fixes import Fixed
 from normswap.surgery.labels import Cause, NotExact
 from helpers.exact_models import perturb
 
@@ -148,13 +149,14 @@ def ids(b: int, n: int) -> torch.Tensor:
 @torch.no_grad()
 def test_exact_encoder_keeps_the_outputs(batch_first, nested, training, zero, fused):
     model = perturb(Embedded(True, batch_first, nested)).train(training)
-    for layer in model.encoder.layers if zero else []:   # no bias kept after norm1: no hook on the layer
+    for layer in model.encoder.layers if zero else []:   # no bias kept after norm1: no fix on the layer
         layer.norm1.bias.zero_()
     original = copy.deepcopy(model)
     report = normswap.convert(model, method="exact", example_inputs=[(ids(2, 5),), (ids(3, 4), padding(3, 4))])
     assert report.method == "exact" and report.num_converted == 5
-    # a module hook alone would keep torch off its fused path: without one, the layer itself must
-    assert zero == (not any(m._forward_hooks for m in model.encoder.layers.modules()))
+    # a fix (in its module's own forward, never a hook) that torch's fused path would skip: the layer keeps off it
+    assert zero == (not any(isinstance(m, Fixed) for m in model.encoder.layers.modules()))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert model.training == training   # the mode is the user's; eval (the fused path) compared too
     for mode in {training, False}:
         model.train(mode)

@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from normswap.folder.fixes import unfixed_class
+
 NONFINITE = "returns non-finite values on ordinary inputs"   # a broken module (e.g. eps < 0), not a non-norm
 
 
@@ -19,7 +21,8 @@ class Broken(NotLayerNorm):
 
 
 def copies(module: nn.Module):
-    """Copies of module to probe (never the module: its state and hooks stay untouched), float64 first."""
+    """Copies of module to probe (never the module: its state and hooks stay untouched), float64 first, without
+    the conversion's fixes (`fixes.fixed_class`: a norm's output centred after it is still a norm's)."""
     ref = next(module.parameters(), None)
     own = ref.dtype if ref is not None and ref.is_floating_point() else torch.float32
     for dtype in dict.fromkeys((torch.float64, own)):
@@ -27,6 +30,7 @@ def copies(module: nn.Module):
             twin = copy.deepcopy(module).eval()
         except Exception as e:
             raise NotLayerNorm(f"cannot be copied for probing ({type(e).__name__})") from None
+        twin.__class__ = unfixed_class(twin)
         yield (twin.to(dtype) if dtype == torch.float64 else twin), dtype
 
 
