@@ -123,9 +123,16 @@ def _own(module: nn.Module, attr: str, value: torch.Tensor | None) -> None:
 def centre_input(module: nn.Module, args, kwargs):
     """(args, kwargs) with the first tensor a module is called with (`first_input`) centred, then multiplied by the
     module's `normswap_input_matrix` where it has one (a rotation's); also a forward pre-hook (with kwargs)."""
-    key, m = first_input(module, args, kwargs), module._parameters.get("normswap_input_matrix")
-    x = fixed(args[0] if key == 0 else kwargs[key], True, None, m)
-    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
+    m = module._parameters.get("normswap_input_matrix")
+    return _on_first_input(module, args, kwargs, lambda x: fixed(x, True, None, m))
+
+
+def _on_first_input(module: nn.Module, args, kwargs, f):
+    """(args, kwargs) with the first tensor `module` is called with (`first_input`) replaced by f(it)."""
+    key = first_input(module, args, kwargs)
+    if key == 0:
+        return (f(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, key: f(kwargs[key])}
 
 
 def add_input_fix(module: nn.Module, side: int = 0) -> None:
@@ -166,9 +173,7 @@ def fix_input(module: nn.Module, args, kwargs):
         args, kwargs = centre_input(module, args, kwargs)
     if ONLINE[0] not in (p := module._parameters):
         return args, kwargs
-    key = first_input(module, args, kwargs)
-    x = online_rotated(args[0] if key == 0 else kwargs[key], p[ONLINE[0]], p[ONLINE[1]])
-    return ((x, *args[1:]), kwargs) if key == 0 else (args, {**kwargs, key: x})
+    return _on_first_input(module, args, kwargs, lambda x: online_rotated(x, p[ONLINE[0]], p[ONLINE[1]]))
 
 
 def add_online_rotation(module: nn.Module, signs: torch.Tensor | None = None, factor: torch.Tensor | None = None,
