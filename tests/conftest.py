@@ -22,14 +22,24 @@ def gpt2_dir(tmp_path_factory):
     return path
 
 
+SESSION_SIGINT = signal.getsignal(signal.SIGINT)   # when pytest imports this file, before any test
+
+
+def _log_sigint(what: str) -> None:
+    if os.environ.get("NORMSWAP_SIGINT_LOG"):
+        with open(os.environ["NORMSWAP_SIGINT_LOG"], "a") as f:
+            f.write(f"{what}: {signal.getsignal(signal.SIGINT)!r}\n")
+
+
 @pytest.fixture(autouse=True)
 def _sigint_as_it_was(request):
-    """Each test starts with the SIGINT handler the session started with: one that changes it and does not put it
-    back (the tests of Ctrl-C handling need Python's own) is named in $NORMSWAP_SIGINT_LOG, and the handler restored."""
-    before = signal.getsignal(signal.SIGINT)
+    """Each test starts with the SIGINT handler the session started with (the tests of Ctrl-C handling need
+    Python's own). Where it was changed, by a test or by what ran between tests (a fixture of wider scope, an
+    import), that is named in $NORMSWAP_SIGINT_LOG and the handler restored."""
+    if signal.getsignal(signal.SIGINT) is not SESSION_SIGINT:
+        _log_sigint(f"before {request.node.nodeid}")
+        signal.signal(signal.SIGINT, SESSION_SIGINT)
     yield
-    if signal.getsignal(signal.SIGINT) is not before:
-        if os.environ.get("NORMSWAP_SIGINT_LOG"):
-            with open(os.environ["NORMSWAP_SIGINT_LOG"], "a") as f:
-                f.write(f"{request.node.nodeid}: {signal.getsignal(signal.SIGINT)!r}\n")
-        signal.signal(signal.SIGINT, before)
+    if signal.getsignal(signal.SIGINT) is not SESSION_SIGINT:
+        _log_sigint(request.node.nodeid)
+        signal.signal(signal.SIGINT, SESSION_SIGINT)

@@ -26,7 +26,8 @@ import torch.autograd.forward_ad as _fwad
 from normswap.ops.reference import check_eps, check_float, partial_width, rms_norm_reference
 from normswap.ops.reference import exporting as _exporting
 
-__all__ = ["rms_norm", "partial_width", "check_eps", "rms_norm_reference", "resolve_backend", "BACKENDS"]
+__all__ = ["rms_norm", "partial_width", "check_eps", "rms_norm_reference", "resolve_backend", "plain_inference",
+           "BACKENDS"]
 
 BACKENDS = ("auto", "cpu", "triton", "torch")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -112,5 +113,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     check_float(x, residual)
     if resolve_backend(x) == "triton":
         from normswap.ops.autograd import rms_norm_triton
-        return rms_norm_triton(x, weight, eps, residual=residual, p=p)
+        return rms_norm_triton(x, weight, eps, residual=residual, p=p, direct=plain_inference(x, weight, residual))
     return rms_norm_reference(x, weight, eps, residual=residual, p=p)
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_inference(*tensors: torch.Tensor | None) -> bool:
+    """Eager mode, nothing intercepting ops, plain tensors (parameters included), no gradient to record: a
+    kernel can be launched as it is, without a custom op's dispatch. Under torch.compile the first test
+    decides, so nothing after it is traced."""
+    if _pytorch_form_needed() or _dispatch_modes() or _function_modes():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True

@@ -88,17 +88,29 @@ rms_norm_add_fwd.register_autograd(_backward_add, setup_context=_setup_add)
 
 
 def rms_norm_triton(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None,
-                    p: float | None = None):
-    """Same contract as `rms_norm_reference` (y, or (y, h) with a residual), on the Triton kernels."""
+                    p: float | None = None, direct: bool = False):
+    """Same contract as `rms_norm_reference` (y, or (y, h) with a residual), on the Triton kernels.
+
+    `direct`: call the launchers the custom ops wrap, without the ops' dispatch (about 5 us of host time a
+    call on torch 2.14, more on older torch: a decode step's worth over a model's norms). Only for plain
+    eager tensors that need no gradient (`ops.plain_inference`): nothing then uses the ops' autograd, fake
+    implementation or graph node.
+    """
     k = partial_width(x.shape[-1], p)
     eps = float(eps)
     if residual is None:
+        if direct:
+            return _kernels().rms_norm_fwd(x, weight, eps, k)[0]
         return torch.ops.normswap.rms_norm_fwd(x, weight, eps, k)[0]
     out_dtype = x.dtype
     # Match the reference's `x + residual`: type promotion and broadcasting happen before the kernel.
-    h_dtype = torch.promote_types(x.dtype, residual.dtype)
-    x, residual = x.to(h_dtype), residual.to(h_dtype)
+    if residual.dtype != out_dtype:
+        h_dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(h_dtype), residual.to(h_dtype)
     if x.shape != residual.shape:
         x, residual = torch.broadcast_tensors(x, residual)
-    y, h, _ = torch.ops.normswap.rms_norm_add_fwd(x, residual, weight, eps, k)
-    return y.to(out_dtype), h
+    if direct:
+        y, h, _ = _kernels().rms_norm_fwd(x, weight, eps, k, residual=residual)
+    else:
+        y, h, _ = torch.ops.normswap.rms_norm_add_fwd(x, residual, weight, eps, k)
+    return (y if y.dtype == out_dtype else y.to(out_dtype)), h
