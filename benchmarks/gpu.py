@@ -778,13 +778,16 @@ def norm_share(call, device: str) -> tuple[float, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
     cuda = device == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
         call()
     total = norms = 0.0
     for e in p.events():
-        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        t = (e.device_time if cuda else e.self_cpu_time_total) / 1e3   # us -> ms (self time: no nesting)
+        if cuda:   # the kernels themselves (and copies, memsets): their own span on the device
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = e.time_range.elapsed_us() / 1e3
+        else:      # the ops' self time: no op counted twice through its children
+            t = e.self_cpu_time_total / 1e3
         total += t
         norms += t if NORM_KERNELS.search(e.name) else 0.0
     return total, norms
