@@ -15,7 +15,7 @@ from __future__ import annotations
 from normswap.folder.checksum import VARIANT, checksum, verify_checksum
 from normswap.folder.fingerprint import record, verify
 from normswap.folder.portable import FORMAT, InvalidConversion
-from normswap.folder.fixes import rebuild
+from normswap.folder.fixes import Fixed, rebuild
 
 # ---- shipped from here: the transformers side -----------------------------------------------------------------
 import importlib  # noqa: E402  (the shipped file concatenates modules: each brings its own imports)
@@ -222,6 +222,6 @@ class NormswapMixin:
 
 
 def original_class(model: nn.Module) -> type:
-    """The class `model` was built as: for an instance of a generated (converted) class, the original one (its
-    first base that is not one), else its own."""
-    return next(c for c in type(model).__mro__ if not issubclass(c, NormswapMixin))
+    """The class `model` was built as: its first class that normswap did not make, neither a converted one nor
+    one with fixes in its forward (a fix on the model itself: its input centred)."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, (NormswapMixin, Fixed)))

@@ -150,6 +150,30 @@ def test_folder_layout(tmp_path):
     assert json.loads((tmp_path / "again" / "config.json").read_text()) == config
 
 
+def test_a_fix_on_the_model_itself_keeps_its_class_and_saves(tmp_path):
+    """Wav2Vec2-BERT's feature projection norms the model's own input, so the exact plan centres that input: a fix
+    on the root module, whose class becomes a fixed subclass. The save must still find transformers' class (it
+    refused the model as "not a transformers class"), through transformers' own save_pretrained too, and the
+    folder rebuild the fix."""
+    import transformers as tf
+
+    from normswap.folder import fixes
+    from helpers.exact_models import perturb
+    from helpers.reload_models import MAKERS
+    model = perturb(MAKERS["wav2vec2-bert"]()).eval()
+    inputs = {"input_features": torch.randn(2, 20, 32, generator=torch.Generator().manual_seed(0))}
+    with torch.no_grad():
+        want = model(**inputs).last_hidden_state
+    normswap.convert(model, method="exact")
+    assert isinstance(model, fixes.Fixed) and original_class(model) is tf.Wav2Vec2BertModel
+    for name, save in (("normswap", normswap.save_pretrained), ("transformers", lambda m, out: m.save_pretrained(out))):
+        save(model, tmp_path / name)
+        loaded = normswap.from_pretrained(tmp_path / name).eval()
+        assert isinstance(loaded, fixes.Fixed) and original_class(loaded) is tf.Wav2Vec2BertModel, name
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(**inputs).last_hidden_state, want, rtol=0, atol=1e-5)
+
+
 def test_unconverted_model_stays_plain(tmp_path):
     normswap.save_pretrained(tiny_model("gpt2"), tmp_path / "m")
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "gpt2"

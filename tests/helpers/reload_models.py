@@ -35,6 +35,11 @@ MAKERS = {
     "videomae-pretrain": lambda: tf.VideoMAEForPreTraining(tf.VideoMAEConfig(
         image_size=32, num_frames=4, tubelet_size=2, qkv_bias=True, decoder_hidden_size=D, decoder_num_hidden_layers=1,
         decoder_num_attention_heads=4, decoder_intermediate_size=64, **VISION)),
+    # its feature projection's norm reads the input features: the fix is on the model itself (the root), whose
+    # class the save must still find to be transformers' own
+    "wav2vec2-bert": lambda: tf.Wav2Vec2BertModel(tf.Wav2Vec2BertConfig(
+        hidden_size=D, feature_projection_input_dim=32, conv_depthwise_kernel_size=3, position_embeddings_type=None,
+        add_adapter=False, **LAYERS)),
     "yolos": lambda: tf.YolosForObjectDetection(tf.YolosConfig(image_size=[32, 32], num_detection_tokens=4,
                                                                use_mid_position_embeddings=False, **VISION)),
 }
