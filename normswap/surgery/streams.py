@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from normswap.errors import NormswapError
+from normswap.folder.attached import section
 from normswap.models.introspect import is_linear, norm_kind
 from normswap.norms import PartialRMSNorm, RMSNorm
 from normswap.surgery.algebra import scale_parameter
@@ -140,6 +141,9 @@ def check_norms(model: nn.Module) -> dict[str, Gain]:
         # a class that only its name calls a LayerNorm (MT5LayerNorm) is one if it computes one: probed
         named = kind == "layernorm" and not isinstance(m, nn.LayerNorm)
         if kind == "layernorm" and (not named or (found := _probed(m, name, False)) is None):
+            if section(model) is not None:   # converted already: this norm is one the conversion left
+                raise NotRotatable(f"{name} ({type(m).__name__}) is a LayerNorm the conversion kept (its report says "
+                                   "why it could not be converted exactly): a rotation needs every norm an RMSNorm")
             raise NotRotatable(f"{name} ({type(m).__name__}) is a LayerNorm: convert the model exactly to RMSNorm "
                                "first (`normswap convert --method exact`)")
         if named:

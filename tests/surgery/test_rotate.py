@@ -13,6 +13,7 @@ from normswap.errors import NormswapError
 from normswap.parity import compare
 from normswap.surgery.rotate import NotRotatable, rotate
 from helpers.exact_models import build, padded_batches, perturb
+from helpers.reload_models import MAKERS
 from helpers.user_models import gpt, perturbed
 
 ROTATABLE = ["bloom", "codegen", "falcon-new", "falcon-parallel", "falcon-sequential-alibi", "gpt2", "gpt2-headless",
@@ -146,6 +147,18 @@ def test_user_module_with_example_inputs_rotates_with_a_random_orthogonal_matrix
 def test_refuses_a_model_with_layernorms_left():
     with pytest.raises(NotRotatable, match=r"transformer\.h\.0\.ln_1 \(LayerNorm\) is a LayerNorm: convert"):
         rotate(build("gpt2"))
+
+
+def test_refuses_a_layernorm_the_exact_conversion_kept_without_asking_to_convert_again():
+    """Wav2Vec2-BERT converts exactly with its depthwise norms kept: asking for a conversion again would change
+    nothing, so the refusal says the conversion kept it."""
+    model = perturb(MAKERS["wav2vec2-bert"]()).eval()
+    report = normswap.convert(model, method="exact")
+    kept = [s.name for s in report.skipped]
+    assert kept and all("depthwise_layer_norm" in n for n in kept)
+    with pytest.raises(NotRotatable, match=rf"{kept[0]} \(LayerNorm\) is a LayerNorm the conversion kept") as e:
+        rotate(model)
+    assert "convert the model" not in str(e.value)
 
 
 def test_refuses_prmsnorm():
