@@ -235,6 +235,7 @@ class BwdLaunch(NamedTuple):
     programs_per_sm: int = BWD_PROGRAMS_PER_SM
 
 
+@functools.cache   # on every launch without a measured setting: a lookup, not a new tuple (~0.3 us)
 def default_launch(mode: str, block: int) -> FwdLaunch | BwdLaunch:
     return FwdLaunch(_num_warps(block, 512)) if mode == "fwd" else BwdLaunch(_num_warps(block, 256))
 
