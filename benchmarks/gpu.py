@@ -483,10 +483,9 @@ def add_kernel_row(report: Report, key: str, mode: str, n: int, d: int, res: dic
                dtype=key.split("/")[2], launch=res.get("launch"))
 
 
-def run_kernels(prof: Profile, args, report: Report, budget: Budget, deadline: float | None) -> None:
+def run_kernels(prof: Profile, args, report: Report, budget: Budget, deadline: float | None, timer) -> None:
     import torch
     set_recompile_limits(torch)
-    timer = WallTimer(prof.samples) if prof.device == "cpu" else CudaTimer(prof.samples, not args.no_graphs)
     if prof.device == "cuda":
         src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)
@@ -615,7 +614,7 @@ def add_tune_row(report: Report, name: str, mode: str, n: int, d: int, tried: li
     return win
 
 
-def run_tune(prof: Profile, args, report: Report, budget: Budget, deadline: float | None) -> None:
+def run_tune(prof: Profile, args, report: Report, budget: Budget, deadline: float | None, timer) -> None:
     """Each candidate launch setting at each width and the prefill row counts, bf16 and fp32; what wins
     goes into `tuning.TUNED` for this architecture at once (the kernel tables after it measure it), and
     OUTDIR/tuned.py gets the TUNED assignment to paste into normswap/ops/tuning.py."""
@@ -624,7 +623,6 @@ def run_tune(prof: Profile, args, report: Report, budget: Budget, deadline: floa
 
     from normswap.ops import triton_kernels as K
     from normswap.ops import tuning
-    timer = WallTimer(prof.samples) if prof.device == "cpu" else CudaTimer(prof.samples, not args.no_graphs)
     arch = K._arch(torch.device(prof.device))
     report.section("tune", f"Tuning: launch settings on {arch}",
                    ["dtype mode rows x width", "default", "default us", "best", "best us", "default / best",
@@ -998,11 +996,12 @@ def main(argv=None) -> int:
         report.section("kernels", "Kernels", ["part", "status"])
         for part in kernel_parts:
             report.add("kernels", part, ["skipped: Triton is not installed"], {}, status="skipped")
-    elif kernel_parts:
+    elif kernel_parts:   # one timer for both parts: on a GPU, one flush buffer of 8x the L2
+        timer = WallTimer(prof.samples) if prof.device == "cpu" else CudaTimer(prof.samples, not args.no_graphs)
         if "tune" in parts:
-            run_tune(prof, args, report, budget, ends["tune"])
+            run_tune(prof, args, report, budget, ends["tune"], timer)
         if "kernels" in parts:
-            run_kernels(prof, args, report, budget, ends["kernels"])
+            run_kernels(prof, args, report, budget, ends["kernels"], timer)
         goals(report)   # now too: a run stopped during the models keeps the kernels' verdicts
     if "models" in parts:
         run_models(prof, report, budget)
